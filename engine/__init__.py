@@ -1,0 +1,1 @@
+"""engine: the model side of prefixcache (torch + transformers)."""

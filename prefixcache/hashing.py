@@ -1,0 +1,79 @@
+"""Chained, seeded 128-bit block hashes and token-id validation.
+
+``h_i = xxh3_128(h_{i-1} || tokens of block i, seed)``; ``h_{-1}`` is the namespace's root hash, so two
+namespaces never produce the same chain. Token ids travel as little-endian int32 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import xxhash
+
+TOKEN_DTYPE = np.dtype("<i4")
+TOKEN_BYTES = TOKEN_DTYPE.itemsize
+_MAX_TOKEN = np.iinfo(TOKEN_DTYPE).max
+
+
+class BlockHasher(Protocol):
+    """Turns (parent hash, block bytes) into the block's hash. A test seam: inject a weak one."""
+
+    def __call__(self, parent: bytes, block: bytes) -> bytes: ...
+
+
+def xxh3_hasher(seed: int) -> BlockHasher:
+    """The default hasher: seeded xxh3_128 over parent digest || block bytes."""
+    digest: Callable[..., bytes] = xxhash.xxh3_128_digest
+
+    def h(parent: bytes, block: bytes) -> bytes:
+        return digest(parent + block, seed)
+
+    return h
+
+
+def namespace_root(namespace: str, seed: int) -> bytes:
+    """The chain's starting value for a namespace (tenant, LoRA adapter, model fingerprint)."""
+    return xxhash.xxh3_128_digest(b"prefixcache-namespace\x00" + namespace.encode("utf-8"), seed)
+
+
+def chain_hashes(hasher: BlockHasher, parent: bytes, data: bytes, block_size: int, start: int, stop: int) -> list[bytes]:
+    """Hashes of blocks ``start..stop-1`` of ``data`` (token bytes), chained from ``parent``."""
+    bb = block_size * TOKEN_BYTES
+    out = []
+    for i in range(start, stop):
+        parent = hasher(parent, data[i * bb : (i + 1) * bb])
+        out.append(parent)
+    return out
+
+
+def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
+    """Validate token ids and return them as a contiguous int32 array.
+
+    Accepts a 1-D list/tuple/range of ints, a 1-D integer numpy array, or a 1-D integer CPU tensor.
+    Raises TypeError or ValueError naming the problem and, for a bad id, its position.
+    """
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError(f"{what} must be a 1-D sequence of integer token ids, got {type(tokens).__name__}")
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
+        tokens = tokens.detach().cpu().numpy()
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:  # ragged nesting
+        raise TypeError(f"{what} must be a 1-D sequence of integer token ids: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return np.zeros(0, TOKEN_DTYPE)
+        if arr.dtype.kind == "O":
+            bad = next(i for i, t in enumerate(arr.tolist()) if not isinstance(t, int) or isinstance(t, bool))
+            raise TypeError(f"{what}[{bad}] is {arr[bad]!r} ({type(arr[bad]).__name__}); token ids must be integers")
+        raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ValueError(f"{what}[{int(np.argmax(arr < 0))}] is {lo}; token ids must be >= 0")
+        if hi > _MAX_TOKEN:
+            raise ValueError(f"{what}[{int(np.argmax(arr > _MAX_TOKEN))}] is {hi}; token ids must be < 2**31")
+    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)

@@ -2,14 +2,20 @@
 
 A policy holds the set of *evictable* nodes (unpinned leaves with blocks) in eviction order. The tree
 adds a node when it becomes evictable and removes it when it stops being so; a node's ordering key is
-computed when it is added and must not change while it is inside. Register new policies in POLICIES.
+computed when it is added and must not change while it is inside. Register new policies in POLICIES:
+``POLICIES[name](clock)`` makes a fresh policy; ``clock()`` is the cache's time in seconds (only policies
+that look at retention use it).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterator, Protocol
+import math
+from typing import Callable, Hashable, Iterator, Optional, Protocol
 
 from sortedcontainers import SortedDict
+
+Clock = Callable[[], float]
+NOT_RETAINED = -math.inf  # a node's keep_until when nobody asked to keep it
 
 
 class Evictable(Protocol):
@@ -17,6 +23,7 @@ class Evictable(Protocol):
     last_access: int
     created: int
     hits: int
+    keep_until: float  # retained until this time on the cache's clock (NOT_RETAINED: not retained)
 
 
 class EvictionPolicy(Protocol):
@@ -76,19 +83,93 @@ class KeyedPolicy:
         return iter(list(self._order.values()))
 
 
-def lru() -> EvictionPolicy:
+def lru(clock: Optional[Clock] = None) -> EvictionPolicy:
     """Least recently used first (last match or insert)."""
     return KeyedPolicy(lambda n: n.last_access)
 
 
-def fifo() -> EvictionPolicy:
+def fifo(clock: Optional[Clock] = None) -> EvictionPolicy:
     """Oldest inserted first, whatever its use since."""
     return KeyedPolicy(lambda n: n.created)
 
 
-def lfu() -> EvictionPolicy:
+def lfu(clock: Optional[Clock] = None) -> EvictionPolicy:
     """Fewest hits first; among equals, least recently used."""
     return KeyedPolicy(lambda n: (n.hits, n.last_access))
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": lru, "fifo": fifo, "lfu": lfu}
+class RetentionPolicy:
+    """LRU that honours retention: a node marked ``keep_until`` (``commit(..., keep_for=s)``) is kept
+    until then, evicted only when no unretained leaf is left, and then the soonest-expiring first.
+
+    Two ordered sets: ``free`` (unretained, LRU order, a KeyedPolicy) and ``kept`` (a SortedDict keyed by
+    (keep_until, last_access, id)). ``peek`` first moves expired nodes from ``kept`` to ``free``.
+    """
+
+    name = "priority"
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._free = KeyedPolicy(lambda n: n.last_access)
+        self._kept: SortedDict = SortedDict()
+        self._kept_keys: dict[int, tuple] = {}
+
+    def _retained(self, node: Evictable) -> bool:
+        return node.keep_until != NOT_RETAINED and node.keep_until > self._clock()
+
+    def add(self, node: Evictable) -> None:
+        if node in self:
+            raise AssertionError(f"node {node.id} is already evictable")
+        if self._retained(node):
+            k = (node.keep_until, node.last_access, node.id)
+            self._kept_keys[node.id] = k
+            self._kept[k] = node
+        else:
+            self._free.add(node)
+
+    def remove(self, node: Evictable) -> None:
+        k = self._kept_keys.pop(node.id, None)
+        if k is not None:
+            del self._kept[k]
+        else:
+            self._free.remove(node)
+
+    def _expire(self) -> None:
+        kept = self._kept
+        if not kept:
+            return
+        now = self._clock()
+        while kept and kept.peekitem(0)[0][0] <= now:
+            k, node = kept.popitem(0)
+            del self._kept_keys[node.id]
+            self._free.add(node)
+
+    def peek(self) -> Evictable | None:
+        """The next victim (moves expired nodes to the LRU set first; the victim order is unchanged)."""
+        self._expire()
+        victim = self._free.peek()
+        if victim is None and self._kept:
+            victim = self._kept.peekitem(0)[1]
+        return victim
+
+    def __len__(self) -> int:
+        return len(self._free) + len(self._kept_keys)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._free or getattr(node, "id", None) in self._kept_keys
+
+    def __iter__(self) -> Iterator[Evictable]:
+        self._expire()
+        return iter([*self._free, *self._kept.values()])
+
+
+def priority(clock: Optional[Clock] = None) -> EvictionPolicy:
+    """LRU, except blocks retained with ``keep_for`` stay until their time runs out (see RetentionPolicy)."""
+    if clock is None:
+        import time
+
+        clock = time.monotonic
+    return RetentionPolicy(clock)
+
+
+POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lru": lru, "fifo": fifo, "lfu": lfu, "priority": priority}

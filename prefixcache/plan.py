@@ -1,0 +1,222 @@
+"""Capacity planning for a hash-id trace: hit rate against capacity per policy, the optimal bound, GB answers.
+
+``make_plan(trace, ...)`` computes a :class:`Plan`:
+
+* LRU at EVERY capacity from 1 block to the working set, in one pass (``curves.lru_curve``);
+* the optimal bound on a log grid of capacities (``curves.optimal_hits``), and bisected exactly for the
+  answers;
+* every other policy (FIFO, LFU, priority, ...) by replaying the trace through a real ``PrefixCache`` once
+  per grid capacity;
+* answers: the capacity (blocks, tokens and, given a model, GB) that reaches 50/70/90% of the achievable
+  hit rate (the unlimited-capacity one).
+
+Semantics switches: ``warmup`` (only requests after the first fraction count), ``weight`` ("tokens":
+cached prompt tokens / prompt tokens, or "blocks": hit blocks / looked-up blocks) and ``order`` ("file" or
+"timestamp": a stable sort, which interleaves kv-tester sessions).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig
+from prefixcache.curves import (WEIGHTS, HitCurve, NodeTrace, canonical_blocks, log_grid, lru_curve, measured_from,
+                                next_uses, optimal_hits, ordered)
+from prefixcache.eviction import POLICIES
+from prefixcache.memory import KVShape
+
+FRACTIONS = (0.5, 0.7, 0.9)
+TIMESTAMP_UNIT_S = 1e-3  # trace timestamps are milliseconds (Mooncake, kv-tester)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Measured hits of one replay through a real PrefixCache."""
+
+    policy: str
+    capacity: int
+    hit_blocks: int
+    hit_tokens: int
+    total_blocks: int
+    total_tokens: int
+
+    def rate(self, weight: str) -> float:
+        hit, total = (self.hit_blocks, self.total_blocks) if weight == "blocks" else (self.hit_tokens, self.total_tokens)
+        return hit / total if total else 0.0
+
+
+def replay(trace, policy: str, capacity: int, warmup: float = 0.0, keep_for: float | None = None) -> Replay:
+    """Replay ``trace`` (in its own order) through ``PrefixCache(capacity blocks, policy)``. Changes nothing.
+
+    Each request: match_keys(hash_ids, namespace, num_tokens=input_length), commit_keys (with ``keep_for``
+    seconds of retention when given), release. The cache's clock is the request's timestamp (ms -> s).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
+    now = [0.0]
+    cache = PrefixCache(CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy),
+                        clock=lambda: now[0])
+    start = measured_from(len(trace), warmup)
+    hb = ht = tb = tt = 0
+    ids, offsets = trace.ids, trace.offsets.tolist()
+    lengths, stamps, namespaces = trace.input_length.tolist(), trace.timestamp.tolist(), trace.namespace
+    for i in range(len(lengths)):
+        now[0] = stamps[i] * TIMESTAMP_UNIT_S
+        m = cache.match_keys(ids[offsets[i] : offsets[i + 1]].tolist(), namespaces[i], num_tokens=lengths[i])
+        if i >= start:
+            hb += m.cached_blocks
+            ht += m.cached_tokens
+            tb += offsets[i + 1] - offsets[i]
+            tt += lengths[i]
+        cache.commit_keys(m.handle, keep_for=keep_for)
+        cache.release(m.handle)
+    return Replay(policy, capacity, hb, ht, tb, tt)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The smallest capacity reaching ``fraction`` of the achievable hit rate, for one curve.
+
+    ``exact``: found at block resolution (LRU's full curve, the bound by bisection); otherwise the first
+    grid capacity that reaches it (an over-estimate of at most one grid step). None when never reached.
+    """
+
+    curve: str
+    fraction: float
+    target_rate: float
+    capacity_blocks: int | None
+    capacity_tokens: int | None
+    gb: float | None
+    exact: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Hit rate against capacity for one trace (see the module docstring). Rates follow ``weight``."""
+
+    trace: str
+    order: str
+    weight: str
+    warmup: float
+    block_size: int
+    requests: int
+    measured_requests: int
+    working_set_blocks: int  # distinct blocks: the capacity where nothing is ever evicted
+    unlimited_rate: float  # the achievable hit rate
+    grid: tuple[int, ...]  # capacities (blocks) of the table and of the replayed policies
+    rates: dict[str, tuple[float, ...]]  # curve name ("lru", "fifo", ..., "optimal") -> rate at each grid point
+    answers: tuple[Answer, ...]
+    model: KVShape | None
+    lru: HitCurve = field(repr=False)
+    seconds: dict[str, float] = field(default_factory=dict)
+    keep_for: float | None = None
+
+    def gb(self, blocks: int) -> float | None:
+        """GB of KV for ``blocks`` blocks of this plan's model (None without a model)."""
+        return None if self.model is None else self.model.gb(blocks, self.block_size)
+
+    @property
+    def curve_names(self) -> list[str]:
+        return list(self.rates)
+
+
+def _rate_of(hits: int, weight: str, curve: HitCurve) -> float:
+    total = curve.total_blocks if weight == "blocks" else curve.total_tokens
+    return hits / total if total else 0.0
+
+
+def make_plan(trace, *, policies: Sequence[str] = ("lru",), weight: str = "tokens", warmup: float = 0.0,
+              order: str = "file", points: int = 16, bound: bool = True, model: KVShape | None = None,
+              keep_for: float | None = None, fractions: Sequence[float] = FRACTIONS,
+              progress: Callable[[str], None] | None = None) -> Plan:
+    """Compute the plan for ``trace`` (a ``prefixcache.trace.Trace``). Changes nothing.
+
+    ``policies``: names in the eviction registry ("lru" comes from the one-pass curve, the rest from one
+    replay per grid capacity); ``points``: size of the log grid; ``bound``: compute the optimal bound;
+    ``keep_for``: seconds of retention each request asks for (used by the "priority" policy's replays).
+    """
+    if weight not in WEIGHTS:
+        raise ValueError(f"weight must be one of {', '.join(WEIGHTS)}, got {weight!r}")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(POLICIES))}")
+    say = progress or (lambda msg: None)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    tr = ordered(trace, order)
+    nt: NodeTrace = canonical_blocks(tr)
+    curve = lru_curve(nt, warmup)
+    seconds["lru_curve"] = time.perf_counter() - t0
+    W = max(1, nt.num_nodes)
+    unl_hits = curve.hits(W, weight)
+    unlimited = _rate_of(unl_hits, weight, curve)
+    grid = tuple(log_grid(W, points))
+    rates: dict[str, tuple[float, ...]] = {}
+    answers: list[Answer] = []
+
+    def answer(name: str, frac: float, cap: int | None, exact: bool) -> Answer:
+        return Answer(name, frac, frac * unlimited, cap, None if cap is None else cap * nt.block_size,
+                      None if cap is None or model is None else model.gb(cap, nt.block_size), exact)
+
+    # LRU: every capacity
+    all_rates = curve.rates(weight)
+    for p in policies:
+        if p == "lru":
+            rates["lru"] = tuple(float(all_rates[c - 1]) for c in grid)
+            for frac in fractions:
+                target = frac * unl_hits
+                arr = curve.hit_blocks if weight == "blocks" else curve.hit_tokens
+                idx = int(np.searchsorted(arr, target - 1e-9 * max(1, target), side="left"))
+                answers.append(answer("lru", frac, idx + 1 if idx < len(arr) else None, True))
+    # other policies: one replay per grid capacity
+    for p in policies:
+        if p == "lru":
+            continue
+        t = time.perf_counter()
+        row = []
+        say(f"replaying {p} at {len(grid)} capacities ({tr.num_blocks:,} block references each)")
+        for c in grid:
+            row.append(replay(tr, p, c, warmup, keep_for).rate(weight))
+        rates[p] = tuple(row)
+        seconds[f"replay_{p}"] = time.perf_counter() - t
+        for frac in fractions:
+            cap = next((c for c, r in zip(grid, row) if r >= frac * unlimited - 1e-12), None)
+            answers.append(answer(p, frac, cap, False))
+    # optimal bound
+    if bound:
+        t = time.perf_counter()
+        say("computing the optimal bound")
+        nu = next_uses(nt)
+        unl_tokens = curve.hits(W, "tokens")
+        memo: dict[int, int] = {}
+
+        def opt(c: int) -> int:
+            if c not in memo:
+                o = optimal_hits(nt, c, warmup, nu=nu, unlimited_tokens=unl_tokens)
+                memo[c] = o.hit_blocks if weight == "blocks" else o.hit_tokens
+            return memo[c]
+
+        rates["optimal"] = tuple(_rate_of(opt(c), weight, curve) for c in grid)
+        for frac in fractions:
+            target = frac * unl_hits
+            lo, hi = 1, W  # opt is non-decreasing in capacity and reaches unl_hits at W
+            if opt(hi) < target - 1e-9:
+                answers.append(answer("optimal", frac, None, True))
+                continue
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if opt(mid) >= target - 1e-9 * max(1, target):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            answers.append(answer("optimal", frac, lo, True))
+        seconds["optimal"] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - t0
+    return Plan(str(getattr(trace, "path", "")), order, weight, warmup, nt.block_size, len(nt),
+                curve.measured_requests, nt.num_nodes, unlimited, grid, rates, tuple(answers), model, curve,
+                seconds, keep_for)

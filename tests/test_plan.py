@@ -1,0 +1,140 @@
+"""make_plan's numbers against independent replays, and the `prefixcache plan` command on real sample files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.curves import canonical_blocks, optimal_hits, trace_from_lists
+from prefixcache.memory import PRESETS
+from prefixcache.plan import make_plan
+from prefixcache.trace import load_trace
+
+from test_curves_lru import slice_lines
+
+
+def rate(trace, policy: str, capacity: int, weight: str, warmup: float = 0.0, keep_for=None) -> float:
+    """Independent replay through the real cache (clock = timestamp in seconds)."""
+    now = [0.0]
+    cache = PrefixCache(CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy),
+                        clock=lambda: now[0])
+    start = int(np.floor(warmup * len(trace)))
+    hit = total = 0
+    for i in range(len(trace)):
+        now[0] = float(trace.timestamp[i]) / 1000
+        keys = trace.hash_ids(i).tolist()
+        m = cache.match_keys(keys, trace.namespace[i], num_tokens=int(trace.input_length[i]))
+        if i >= start:
+            hit += m.cached_blocks if weight == "blocks" else m.cached_tokens
+            total += len(keys) if weight == "blocks" else int(trace.input_length[i])
+        cache.commit_keys(m.handle, keep_for=keep_for)
+        cache.release(m.handle)
+    return hit / total
+
+
+@pytest.fixture
+def conv_slice(traces_dir, tmp_path):
+    return slice_lines(traces_dir / "mooncake_conversation_trace.jsonl", tmp_path / "conv.jsonl", 1000, 250)
+
+
+@pytest.mark.parametrize("weight,warmup", [("tokens", 0.0), ("blocks", 0.2)])
+def test_plan_matches_replays(conv_slice, weight, warmup):
+    tr = load_trace(conv_slice)
+    plan = make_plan(tr, policies=["lru", "fifo", "priority"], weight=weight, warmup=warmup, points=6,
+                     model=PRESETS["small"], keep_for=30.0)
+    W = plan.working_set_blocks
+    assert plan.unlimited_rate == pytest.approx(rate(tr, "lru", W + 10, weight, warmup))
+    for k, c in enumerate(plan.grid):
+        assert plan.rates["lru"][k] == pytest.approx(rate(tr, "lru", c, weight, warmup))
+        assert plan.rates["fifo"][k] == pytest.approx(rate(tr, "fifo", c, weight, warmup))
+        assert plan.rates["priority"][k] == pytest.approx(rate(tr, "priority", c, weight, warmup, keep_for=30.0))
+        assert plan.rates["optimal"][k] >= max(plan.rates[p][k] for p in ("lru", "fifo", "priority")) - 1e-12
+    for a in plan.answers:
+        if a.curve == "lru":  # exact: the smallest capacity that reaches the target
+            assert rate(tr, "lru", a.capacity_blocks, weight, warmup) >= a.target_rate - 1e-12
+            if a.capacity_blocks > 1:
+                assert rate(tr, "lru", a.capacity_blocks - 1, weight, warmup) < a.target_rate
+        if a.curve == "fifo" and a.capacity_blocks is not None:  # first grid point reaching it
+            assert a.capacity_blocks in plan.grid
+            assert rate(tr, "fifo", a.capacity_blocks, weight, warmup) >= a.target_rate - 1e-12
+        assert a.gb == pytest.approx(a.capacity_blocks * PRESETS["small"].bytes_per_block(512) / 1e9)
+    opt = {a.fraction: a.capacity_blocks for a in plan.answers if a.curve == "optimal"}
+    lru = {a.fraction: a.capacity_blocks for a in plan.answers if a.curve == "lru"}
+    assert all(opt[f] <= lru[f] for f in opt)
+
+
+def test_optimal_answer_is_the_smallest_capacity():
+    tr = trace_from_lists([[1, 2], [3], [1, 2, 4], [3, 5], [1, 2], [3, 5, 6], [1, 2, 4]], block_size=1)
+    plan = make_plan(tr, weight="blocks", points=4)
+    nt = canonical_blocks(tr)
+    unl = plan.lru.hits(plan.working_set_blocks)
+    for a in (a for a in plan.answers if a.curve == "optimal"):
+        need = a.fraction * unl
+        assert optimal_hits(nt, a.capacity_blocks).hit_blocks >= need
+        assert a.capacity_blocks == 1 or optimal_hits(nt, a.capacity_blocks - 1).hit_blocks < need
+
+
+def test_order_timestamp_interleaves_sessions():
+    # two sessions, each resending its history; file order = one after another
+    a = [[1], [1, 2], [1, 2, 3]]
+    b = [[10], [10, 11], [10, 11, 12]]
+    tr = trace_from_lists(a + b, block_size=1, timestamp=[0, 2, 4, 1, 3, 5], namespace=["a"] * 3 + ["b"] * 3)
+    by_file = make_plan(tr, weight="blocks", points=3, order="file")
+    by_time = make_plan(tr, weight="blocks", points=3, order="timestamp")
+    # With 2 blocks, by hand. One session after another: a hits 1 + 2, then b hits 1 + 2 = 6 blocks.
+    # Interleaved: [1] [10] [1,2] (hit 1, evicts 10) [10,11] (miss) [1,2,3] (miss) [10,11,12] (miss) = 1.
+    assert by_file.lru.hits(2) == 6 == rate_hits(tr, 2)
+    assert by_time.lru.hits(2) == 1 == rate_hits(tr.by_timestamp(), 2)
+
+
+def rate_hits(trace, capacity: int) -> int:
+    cache = PrefixCache(CacheConfig(num_blocks=capacity, block_size=trace.block_size))
+    hits = 0
+    for i in range(len(trace)):
+        m = cache.match_keys(trace.hash_ids(i).tolist(), trace.namespace[i])
+        hits += m.cached_blocks
+        cache.commit_keys(m.handle)
+        cache.release(m.handle)
+    return hits
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+def test_cli_plan_writes_reports(conv_slice, tmp_path):
+    from prefixcache.cli import app
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["plan", str(conv_slice), "--policy", "lru", "--policy", "lfu", "--model", "small",
+                                   "--dtype", "bf16", "--points", "5", "--warmup", "0.1",
+                                   "--json", str(out / "p.json"), "--html", str(out / "p.html"),
+                                   "--markdown", str(out / "p.md")])
+    assert res.exit_code == 0, res.output
+    assert "optimal bound" in res.output and "LRU" in res.output
+    doc = json.loads((out / "p.json").read_text())
+    tr = load_trace(conv_slice)
+    assert doc["model"]["bytes_per_token"] == 2 * 12 * 12 * 64 * 2
+    for c, r in zip(doc["grid_blocks"], doc["rates"]["lfu"]):
+        assert r == pytest.approx(rate(tr, "lfu", c, "tokens", 0.1))
+    html = (out / "p.html").read_text()
+    assert "data:image/png;base64," in html and "<table>" in html
+    assert (out / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "p.png" in (out / "p.md").read_text()
+
+
+def test_cli_plan_errors(conv_slice, tmp_path):
+    from prefixcache.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", str(conv_slice), "--policy", "mru"])
+    assert res.exit_code == 2 and "mru" in res.output
+    res = runner.invoke(app, ["plan", str(conv_slice), "--model", "nope"])
+    assert res.exit_code == 2 and "neither a preset" in res.output
+    res = runner.invoke(app, ["plan", str(tmp_path / "missing.jsonl")])
+    assert res.exit_code == 2 and "no such trace file" in res.output
+    sc = tmp_path / "text.yaml"
+    sc.write_text("requests:\n  - text: hello\n")
+    res = runner.invoke(app, ["plan", str(sc)])
+    assert res.exit_code == 2 and "hash-id trace" in res.output

@@ -9,10 +9,11 @@ exit path unpins. Not thread-safe: callers serialise (the engine holds a lock).
 from __future__ import annotations
 
 import itertools
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from prefixcache.allocator import BlockAllocator
 from prefixcache.config import CacheConfig
@@ -59,6 +60,12 @@ class CommitResult:
     not_cached: int  # full blocks that did not fit in the pool
 
 
+def _check_keep_for(keep_for: Any) -> float:
+    if isinstance(keep_for, bool) or not isinstance(keep_for, (int, float)) or not keep_for >= 0:
+        raise ValueError(f"keep_for must be a number of seconds >= 0, got {keep_for!r}")
+    return float(keep_for)
+
+
 def _ensure_namespace(namespace: str) -> str:
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
@@ -68,9 +75,14 @@ def _ensure_namespace(namespace: str) -> str:
 class PrefixCache:
     """Maps cached prefixes to KV block ids; evicts least valuable unpinned leaves when full."""
 
-    def __init__(self, config: CacheConfig, *, hasher: BlockHasher | None = None) -> None:
-        """``hasher`` replaces the seeded xxh3_128 block hash (a test seam for forced collisions)."""
+    def __init__(self, config: CacheConfig, *, hasher: BlockHasher | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        """``hasher`` replaces the seeded xxh3_128 block hash (a test seam for forced collisions).
+        ``clock()`` is the time in seconds that retention (``keep_for``) is measured on; default
+        time.monotonic (a trace replay passes the trace's clock)."""
         self.config = config
+        self.clock: Callable[[], float] = clock or time.monotonic
+        self._namespace_keep: dict[str, float] = {}
         self.block_size = config.block_size
         self._hasher = hasher or xxh3_hasher(config.hash_seed)
         self._policy_factory = POLICIES[config.eviction]
@@ -82,7 +94,7 @@ class PrefixCache:
         c = self.config
         self.tree = RadixTree(c.block_size, self._hasher, partial(namespace_root, seed=c.hash_seed), c.verify_tokens)
         self.allocator = BlockAllocator(c.num_blocks)
-        self.policy: EvictionPolicy = self._policy_factory()
+        self.policy: EvictionPolicy = self._policy_factory(self.clock)
         self.stats = CacheStats()
         self._live: dict[int, RequestHandle] = {}
         self._ids = itertools.count(1)
@@ -141,7 +153,7 @@ class PrefixCache:
         arr = as_token_array(tokens)
         if len(arr) == 0:
             return 0
-        root = self.tree.roots.get(("tokens", namespace))
+        root = self.tree.roots.get(("tokens", _ensure_namespace(namespace)))
         if root is None:
             return 0
         path = self.tree.walk_tokens(root, arr.tobytes(), (len(arr) - 1) // self.block_size)
@@ -181,12 +193,14 @@ class PrefixCache:
         return last.node
 
     # ---- commit --------------------------------------------------------------------------------------
-    def commit(self, handle: RequestHandle, tokens: Any = None) -> CommitResult:
+    def commit(self, handle: RequestHandle, tokens: Any = None, *, keep_for: float | None = None) -> CommitResult:
         """Cache the full blocks of ``tokens`` (default: the prompt given to ``match``), e.g. prompt + output.
 
         Changes the cache: inserts new blocks (evicting unpinned leaves as needed; when the pool cannot make
         room, only a prefix is cached), and moves the handle's pin to the whole cached path. The caller must
-        write the KV of the returned blocks before the next ``match``.
+        write the KV of the returned blocks before the next ``match``. ``keep_for`` (seconds; default: the
+        namespace's, see ``retain_namespace``) marks the whole cached path to be kept until ``clock() +
+        keep_for``: the "priority" policy evicts it only when nothing else is evictable.
         """
         self._check_live(handle)
         if handle.mode != "tokens":
@@ -205,9 +219,10 @@ class PrefixCache:
             toks = data[start * bb : stop * bb] if self.config.verify_tokens else None
             return keys, toks
 
-        return self._insert(handle, root, path, nblocks, make)
+        return self._insert(handle, root, path, nblocks, make, keep_for)
 
-    def commit_keys(self, handle: RequestHandle, keys: Sequence[Any] | None = None) -> CommitResult:
+    def commit_keys(self, handle: RequestHandle, keys: Sequence[Any] | None = None, *,
+                    keep_for: float | None = None) -> CommitResult:
         """``commit`` for precomputed keys (default: the keys given to ``match_keys``)."""
         self._check_live(handle)
         if handle.mode != "keys":
@@ -215,9 +230,20 @@ class PrefixCache:
         keys = handle.prompt if keys is None else list(keys)
         root = self.tree.root("keys", handle.namespace)
         path = self.tree.walk_keys(root, keys, len(keys))
-        return self._insert(handle, root, path, len(keys), lambda a, b, parent: (keys[a:b], None))
+        return self._insert(handle, root, path, len(keys), lambda a, b, parent: (keys[a:b], None), keep_for)
 
-    def _insert(self, handle: RequestHandle, root: Node, path: list[Step], nblocks: int, make) -> CommitResult:
+    def retain_namespace(self, namespace: str, keep_for: float | None) -> None:
+        """Default ``keep_for`` of every later commit in ``namespace`` (None: stop). Changes only that default."""
+        if keep_for is None:
+            self._namespace_keep.pop(_ensure_namespace(namespace), None)
+        else:
+            self._namespace_keep[_ensure_namespace(namespace)] = _check_keep_for(keep_for)
+
+    def _insert(self, handle: RequestHandle, root: Node, path: list[Step], nblocks: int, make,
+                keep_for: float | None = None) -> CommitResult:
+        if keep_for is None:
+            keep_for = self._namespace_keep.get(handle.namespace)
+        until = None if keep_for is None else self.clock() + _check_keep_for(keep_for)
         terminal = self._split_last(path) if path else root
         have = sum(s.matched for s in path)
         self._clock += 1
@@ -231,23 +257,33 @@ class PrefixCache:
         want = nblocks - have
         new_ids: list[int] = []
         if want > 0:
-            short = want - self.allocator.num_free
-            if short > 0:
-                self._evict(short)
-            fit = min(want, self.allocator.num_free)
+            keys, toks = make(have, nblocks, terminal)
+            if keys[0] in terminal.children:
+                # Another run hangs under the same key: a hash collision that token verification caught in
+                # the walk. Equal keys must mean equal prefixes, so the new blocks are not cached.
+                fit = 0
+            else:
+                short = want - self.allocator.num_free
+                if short > 0:
+                    self._evict(short)
+                fit = min(want, self.allocator.num_free)
             if fit > 0:
                 new_ids = self.allocator.allocate(fit)
-                keys, toks = make(have, have + fit, terminal)
-                if not terminal.is_root and terminal.is_leaf and terminal.pins == 1:
-                    self.tree.extend(terminal, keys, new_ids, toks)
-                else:
-                    child = self.tree.add_child(terminal, keys, new_ids, toks, self._clock)
-                    self._unpin_path(terminal)
-                    self._pin_path(handle, child)
-                    terminal = child
+                if fit < want:
+                    keys = keys[:fit]
+                    toks = None if toks is None else toks[: fit * self.tree.block_bytes]
+                # Always a new node, never appended to the request's leaf: its blocks are born now, with no hits
+                # yet (what FIFO and LFU order by); the handle's pins move down to it.
+                terminal = self.tree.add_child(terminal, keys, new_ids, toks, self._clock)
+                terminal.pins = 1
             self.stats.blocks_inserted += fit
             self.stats.blocks_not_cached += want - fit
         handle.terminal = terminal
+        if until is not None:  # the path is pinned, so no policy holds these nodes while their keys change
+            node = terminal
+            while not node.is_root:
+                node.keep_until = max(node.keep_until, until)
+                node = node.parent  # type: ignore[assignment]
         return CommitResult(tuple(new_ids), have, have + len(new_ids), max(0, want - len(new_ids)))
 
     # ---- release -------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ def xxh3_hasher(seed: int) -> BlockHasher:
     def h(parent: bytes, block: bytes) -> bytes:
         return digest(parent + block, seed)
 
+    h.xxh3_seed = seed  # type: ignore[attr-defined]  # lets chain_hashes call xxh3 directly
     return h
 
 
@@ -40,10 +41,18 @@ def namespace_root(namespace: str, seed: int) -> bytes:
 def chain_hashes(hasher: BlockHasher, parent: bytes, data: bytes, block_size: int, start: int, stop: int) -> list[bytes]:
     """Hashes of blocks ``start..stop-1`` of ``data`` (token bytes), chained from ``parent``."""
     bb = block_size * TOKEN_BYTES
-    out = []
-    for i in range(start, stop):
-        parent = hasher(parent, data[i * bb : (i + 1) * bb])
-        out.append(parent)
+    out: list[bytes] = []
+    append = out.append
+    seed = getattr(hasher, "xxh3_seed", None)
+    if seed is not None:  # the default hasher, inlined: one C call per block
+        digest = xxhash.xxh3_128_digest
+        for off in range(start * bb, stop * bb, bb):
+            parent = digest(parent + data[off : off + bb], seed)
+            append(parent)
+        return out
+    for off in range(start * bb, stop * bb, bb):
+        parent = hasher(parent, data[off : off + bb])
+        append(parent)
     return out
 
 
@@ -66,14 +75,23 @@ def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
             return np.zeros(0, TOKEN_DTYPE)
-        if arr.dtype.kind == "O":
-            bad = next(i for i, t in enumerate(arr.tolist()) if not isinstance(t, int) or isinstance(t, bool))
-            raise TypeError(f"{what}[{bad}] is {arr[bad]!r} ({type(arr[bad]).__name__}); token ids must be integers")
-        raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0:
-            raise ValueError(f"{what}[{int(np.argmax(arr < 0))}] is {lo}; token ids must be >= 0")
-        if hi > _MAX_TOKEN:
-            raise ValueError(f"{what}[{int(np.argmax(arr > _MAX_TOKEN))}] is {hi}; token ids must be < 2**31")
+        if arr.dtype.kind in "OUSb":  # mixed Python objects, strings or bools: name the first bad one
+            items = arr.tolist()
+            for i, t in enumerate(items):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise TypeError(f"{what}[{i}] is {t!r} ({type(t).__name__}); token ids must be integers")
+                if not 0 <= t <= _MAX_TOKEN:
+                    raise ValueError(f"{what}[{i}] is {t}; token ids must be in [0, 2**31)")
+            arr = np.asarray(items, dtype=np.int64)  # ints that numpy kept as objects, all in range
+        else:
+            raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.size:  # range checks the dtype does not already guarantee
+        kind, size = arr.dtype.kind, arr.dtype.itemsize
+        if kind == "i" and arr.min() < 0:
+            bad = int(np.argmax(arr < 0))
+            raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be >= 0")
+        if size > 4 or (kind == "u" and size == 4):
+            if arr.max() > _MAX_TOKEN:
+                bad = int(np.argmax(arr > _MAX_TOKEN))
+                raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be < 2**31")
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)

@@ -12,8 +12,8 @@ feed the eviction policy. The tree changes nothing about pins or eviction by its
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+import math
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from prefixcache.hashing import TOKEN_BYTES, BlockHasher
 
@@ -21,7 +21,8 @@ _ids = itertools.count(1)
 
 
 class Node:
-    __slots__ = ("id", "parent", "keys", "blocks", "tokens", "children", "pins", "last_access", "created", "hits")
+    __slots__ = ("id", "parent", "keys", "blocks", "tokens", "children", "pins", "last_access", "created", "hits",
+                 "keep_until")
 
     def __init__(self, parent: "Node | None", keys: list, blocks: list[int], tokens: bytes | None, now: int) -> None:
         self.id = next(_ids)
@@ -34,6 +35,7 @@ class Node:
         self.last_access = now
         self.created = now
         self.hits = 0
+        self.keep_until = -math.inf  # retained until (cache clock); set by commit(..., keep_for=)
 
     @property
     def is_root(self) -> bool:
@@ -47,9 +49,9 @@ class Node:
         return f"Node(id={self.id}, blocks={self.blocks}, pins={self.pins}, last_access={self.last_access})"
 
 
-@dataclass(frozen=True)
-class Step:
-    """One node of a matched path and how many of its leading blocks matched."""
+class Step(NamedTuple):
+    """One node of a matched path and how many of its leading blocks matched (immutable; a NamedTuple
+    because walks make one per node on the hot path)."""
 
     node: Node
     matched: int
@@ -158,6 +160,7 @@ class RadixTree:
         bb = self.block_bytes
         head = Node(parent, node.keys[:at], node.blocks[:at], None if node.tokens is None else node.tokens[: at * bb], 0)
         head.pins, head.last_access, head.created, head.hits = node.pins, node.last_access, node.created, node.hits
+        head.keep_until = node.keep_until
         parent.children[head.keys[0]] = head
         node.keys = node.keys[at:]
         node.blocks = node.blocks[at:]
@@ -174,19 +177,12 @@ class RadixTree:
         parent.children[keys[0]] = child
         return child
 
-    def extend(self, node: Node, keys: list, blocks: list[int], tokens: bytes | None) -> None:
-        """Append blocks to a leaf's run."""
-        assert node.is_leaf and not node.is_root
-        node.keys.extend(keys)
-        node.blocks.extend(blocks)
-        if node.tokens is not None:
-            node.tokens += tokens or b""
-
     def drop_tail(self, node: Node, n: int) -> list[int]:
-        """Remove the last ``n`` blocks of a leaf; unhook it when it empties. Returns the freed block ids."""
+        """Remove the last ``n`` blocks of a leaf; unhook it when it empties. Returns the freed block ids in
+        eviction order: the tail block first."""
         assert node.is_leaf and not node.is_root and 0 < n <= len(node.blocks)
         keep = len(node.blocks) - n
-        freed = node.blocks[keep:]
+        freed = node.blocks[keep:][::-1]
         if keep == 0:
             assert node.parent is not None
             del node.parent.children[node.keys[0]]

@@ -1,0 +1,262 @@
+"""Namespaces, hash collisions, exceptions inside lookup, bad input, token containers, import hygiene."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from prefixcache import CacheConfig, PrefixCache
+
+CONSTANT_HASH = b"x" * 16
+
+
+def weak_hasher(parent: bytes, block: bytes) -> bytes:
+    """Every block of every prefix collides."""
+    return CONSTANT_HASH
+
+
+# ---- namespaces ------------------------------------------------------------------------------------------
+def test_namespaces_never_share_blocks(serve):
+    cache = PrefixCache(CacheConfig(num_blocks=16, block_size=2))
+    tokens = [1, 2, 3, 4, 5]
+    for ns in ("tenant-a", "tenant-b"):
+        m = cache.match(tokens, namespace=ns)
+        assert m.cached_tokens == 0
+        r = cache.commit(m.handle)
+        assert r.block_ids and r.first_block == 0
+        cache.release(m.handle)
+    assert cache.num_cached_blocks == 4  # two copies of two blocks
+    with cache.lookup(tokens, namespace="tenant-a") as a, cache.lookup(tokens, namespace="tenant-b") as b:
+        assert a.cached_tokens == b.cached_tokens == 4
+        assert not set(a.block_ids) & set(b.block_ids)
+    assert cache.probe(tokens, namespace="other") == 0 and cache.probe(tokens) == 0
+    m = cache.match_keys([10, 11, 12], namespace="tenant-a")
+    assert m.cached_tokens == 0
+    cache.commit_keys(m.handle)
+    cache.release(m.handle)
+    m = cache.match_keys([10, 11, 12], namespace="tenant-b")
+    assert m.cached_tokens == 0
+    cache.release(m.handle)
+    cache.check_integrity()
+
+
+# ---- forced hash collisions ----------------------------------------------------------------------------
+def test_constant_hash_with_verification_never_serves_wrong_kv():
+    """Brute force: every served block must hold exactly the prompt's tokens at that position."""
+    bs = 2
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=bs), hasher=weak_hasher)
+    content: dict[int, tuple] = {}  # pool block id -> the tokens the caller wrote into it
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(400):
+        prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
+        m = cache.match(prompt)
+        assert m.cached_tokens <= (len(prompt) - 1) // bs * bs
+        for i, b in enumerate(m.block_ids):
+            assert content[b] == tuple(prompt[i * bs : (i + 1) * bs]), "a collision served another prompt's KV"
+        hits += m.cached_blocks
+        seq = prompt + [rng.randrange(3) for _ in range(rng.randrange(4))]
+        r = cache.commit(m.handle, seq)
+        for j, b in enumerate(r.block_ids):
+            k = r.first_block + j
+            content[b] = tuple(seq[k * bs : (k + 1) * bs])
+        cache.release(m.handle)
+        cache.check_integrity()
+    assert hits >= 20  # the check above ran on real hits
+
+
+def test_constant_hash_without_verification_gives_wrong_hits(serve):
+    """Why verify_tokens is the default: with it off, a hash collision serves another prompt's blocks."""
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=2, verify_tokens=False), hasher=weak_hasher)
+    _, r = serve(cache, [1, 2, 3, 4, 5])
+    m = cache.match([6, 7, 8, 9, 1])  # shares no token with the cached prompt
+    assert m.cached_tokens == 4 and m.block_ids == r.block_ids
+    cache.release(m.handle)
+    checked = PrefixCache(CacheConfig(num_blocks=8, block_size=2), hasher=weak_hasher)
+    serve(checked, [1, 2, 3, 4, 5])
+    assert checked.probe([6, 7, 8, 9, 1]) == 0 and checked.probe([1, 2, 3, 4, 5]) == 4
+
+
+def test_collision_in_the_middle_of_a_run_is_caught(serve):
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=2), hasher=weak_hasher)
+    serve(cache, [1, 2, 3, 4, 5, 6, 0])
+    m, r = serve(cache, [1, 2, 9, 9, 5, 6, 0])  # first block shared, second collides
+    assert m.cached_tokens == 2 and r.first_block == 1 and r.not_cached == 2 and r.block_ids == ()
+    assert cache.probe([1, 2, 9, 9, 5, 6, 0]) == 2 and cache.probe([1, 2, 3, 4, 5, 6, 0]) == 6
+
+
+# ---- exceptions between lookup and release ---------------------------------------------------------------
+def test_exception_inside_lookup_unpins_everything(serve):
+    cache = PrefixCache(CacheConfig(num_blocks=4, block_size=2))
+    serve(cache, [1, 1, 2, 2, 3])
+    with pytest.raises(RuntimeError, match="model crashed"):
+        with cache.lookup([1, 1, 2, 2, 3, 3, 4, 4, 5]) as m:
+            assert m.cached_tokens == 4
+            cache.commit(m.handle)
+            raise RuntimeError("model crashed")
+    assert cache.num_active_requests == 0
+    cache.check_integrity()
+    assert cache.num_cached_blocks == 4 and cache.num_free_blocks == 0
+    # Nothing stays pinned: a disjoint request can take over the whole pool.
+    _, r = serve(cache, [7, 7, 8, 8, 9, 9, 6, 6, 5])
+    assert len(r.block_ids) == 4 and r.not_cached == 0
+    assert cache.probe([1, 1, 2, 2, 3]) == 0 and cache.stats.blocks_evicted == 4
+
+
+def test_keyboard_interrupt_inside_lookup_unpins():
+    cache = PrefixCache(CacheConfig(num_blocks=4, block_size=1))
+    with pytest.raises(KeyboardInterrupt):
+        with cache.lookup([1, 2, 3]) as m:
+            cache.commit(m.handle)
+            raise KeyboardInterrupt
+    assert cache.num_active_requests == 0
+    cache.check_integrity()
+
+
+def test_release_inside_lookup_is_not_repeated():
+    cache = PrefixCache(CacheConfig(num_blocks=4, block_size=1))
+    with cache.lookup([1, 2, 3]) as m:
+        cache.commit(m.handle)
+        cache.release(m.handle)
+    assert cache.num_active_requests == 0
+    cache.check_integrity()
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+BAD_CALLS = [
+    ("float ids", lambda c, h: c.match([1.5, 2.0]), TypeError, "integer token ids.*float64"),
+    ("string id", lambda c, h: c.match(["a", 1]), TypeError, r"tokens\[0\] is 'a'"),
+    ("None inside", lambda c, h: c.match([1, None, 2]), TypeError, r"tokens\[1\] is None"),
+    ("a str prompt", lambda c, h: c.match("hello"), TypeError, "1-D sequence of integer token ids, got str"),
+    ("negative id", lambda c, h: c.match([3, 4, -1]), ValueError, r"tokens\[2\] is -1; token ids must be >= 0"),
+    ("huge id", lambda c, h: c.match([1, 2**40]), ValueError, r"tokens\[1\].*2\*\*31"),
+    ("huge python int", lambda c, h: c.match([1, 2**70]), ValueError, r"tokens\[1\].*2\*\*31"),
+    ("2-D list", lambda c, h: c.match([[1, 2], [3, 4]]), ValueError, r"must be 1-D, got shape \(2, 2\)"),
+    ("2-D array", lambda c, h: c.match(np.ones((1, 3), np.int64)), ValueError, "must be 1-D"),
+    ("ragged", lambda c, h: c.match([[1, 2], [3]]), TypeError, "1-D sequence"),
+    ("empty prompt", lambda c, h: c.match([]), ValueError, "empty"),
+    ("empty keys", lambda c, h: c.match_keys([]), ValueError, "empty"),
+    ("namespace int", lambda c, h: c.match([1, 2], namespace=3), TypeError, "namespace must be a str, got int"),
+    ("probe namespace", lambda c, h: c.probe([1, 2], namespace=None), TypeError, "namespace must be a str"),
+    ("commit bad tokens", lambda c, h: c.commit(h, [1, 2, 0.5]), TypeError, "float64"),
+    ("commit_keys on tokens", lambda c, h: c.commit_keys(h), ValueError, "use commit"),
+    ("not a handle", lambda c, h: c.release("request-1"), TypeError, "expected the handle.*got str"),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "message"), [b[1:] for b in BAD_CALLS], ids=[b[0] for b in BAD_CALLS])
+def test_bad_input_is_a_clear_error_and_changes_nothing(serve, call, exc, message):
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=2))
+    serve(cache, [5, 5, 6, 6, 7])
+    m = cache.match([5, 5, 6, 6, 7])
+    before = (cache.num_cached_blocks, cache.num_active_requests, cache.stats.as_dict())
+    with pytest.raises(exc, match=message):
+        call(cache, m.handle)
+    cache.check_integrity()
+    assert (cache.num_cached_blocks, cache.num_active_requests, cache.stats.as_dict()) == before
+    r = cache.commit(m.handle)  # the live request still works
+    assert r.first_block == 2 and r.block_ids == ()
+    cache.release(m.handle)
+    m2, _ = serve(cache, [5, 5, 6, 6, 7])
+    assert m2.cached_tokens == 4
+
+
+def test_handle_lifecycle_errors(serve):
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=2))
+    other = PrefixCache(CacheConfig(num_blocks=8, block_size=2))
+    m = cache.match([1, 2, 3])
+    foreign = other.match([1, 2, 3])  # same request id (1) in another cache
+    with pytest.raises(ValueError, match="does not belong to this cache"):
+        cache.commit(foreign.handle)
+    with pytest.raises(ValueError, match="does not belong to this cache"):
+        cache.release(foreign.handle)
+    cache.release(m.handle)
+    with pytest.raises(ValueError, match=f"request {m.handle.id} was already released"):
+        cache.release(m.handle)
+    with pytest.raises(ValueError, match="already released"):
+        cache.commit(m.handle)
+    k = cache.match_keys([1, 2])
+    with pytest.raises(ValueError, match="use commit_keys"):
+        cache.commit(k.handle)
+    cache.release(k.handle)
+    old = cache.match([1, 2, 3])
+    cache.reset()
+    with pytest.raises(ValueError, match="does not belong to this cache"):
+        cache.release(old.handle)
+    for c in (cache, other):
+        c.check_integrity()
+    other.release(foreign.handle)
+    other.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        ({"num_blocks": 0}, ValueError, "num_blocks must be > 0, got 0"),
+        ({"num_blocks": -3}, ValueError, "num_blocks must be > 0"),
+        ({"num_blocks": 2.5}, TypeError, "num_blocks must be an int, got float"),
+        ({"num_blocks": "8"}, TypeError, "num_blocks must be an int, got str"),
+        ({"num_blocks": 8, "block_size": 0}, ValueError, "block_size must be > 0"),
+        ({"num_blocks": 8, "block_size": True}, TypeError, "block_size must be an int, got bool"),
+        ({"num_blocks": 8, "block_size": 16.0}, TypeError, "block_size must be an int"),
+        ({"num_blocks": 8, "eviction": "random"}, ValueError, "unknown policy 'random'; known: .*lru"),
+        ({"num_blocks": 8, "hash_seed": -1}, ValueError, "hash_seed"),
+    ],
+)
+def test_bad_config(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        CacheConfig(**kwargs)
+
+
+# ---- token containers ------------------------------------------------------------------------------------
+def _trace(convert) -> list:
+    cache = PrefixCache(CacheConfig(num_blocks=6, block_size=2))
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9, 1], [7, 7, 7], [1, 2, 3, 4, 9, 9, 1, 0], [8, 8, 8, 8, 8, 8, 8]]
+    out = []
+    for p in prompts:
+        m = cache.match(convert(p))
+        r = cache.commit(m.handle, convert(p + [6, 6, 6]))
+        cache.release(m.handle)
+        cache.check_integrity()
+        out.append((m.cached_tokens, m.block_ids, r.block_ids, r.first_block, r.not_cached, cache.probe(convert(p))))
+    return out
+
+
+def test_list_numpy_and_torch_tokens_behave_the_same():
+    torch = pytest.importorskip("torch")
+    expected = _trace(list)
+    assert any(row[0] for row in expected) and any(row[4] == 0 and row[2] for row in expected)
+    for convert in (
+        tuple,
+        lambda p: np.asarray(p, dtype=np.int64),
+        lambda p: np.asarray(p, dtype=np.int32),
+        lambda p: np.asarray(p, dtype=np.uint16),
+        lambda p: np.asarray([0] + p, dtype=np.int64)[1:],  # a view with an offset
+        lambda p: torch.tensor(p, dtype=torch.int64),
+        lambda p: torch.tensor(p, dtype=torch.int32),
+        lambda p: torch.tensor([p, p])[1],  # a row of a 2-D tensor
+    ):
+        assert _trace(convert) == expected
+
+
+def test_torch_float_and_2d_tensors_are_refused():
+    torch = pytest.importorskip("torch")
+    cache = PrefixCache(CacheConfig(num_blocks=4, block_size=2))
+    with pytest.raises(TypeError, match="float32"):
+        cache.match(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"1-D, got shape \(1, 3\)"):
+        cache.match(torch.tensor([[1, 2, 3]]))
+    cache.check_integrity()
+
+
+def test_import_does_not_pull_torch_or_transformers():
+    code = (
+        "import sys, prefixcache, prefixcache.cache, prefixcache.eviction, prefixcache.hashing;"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,189 @@
+"""Random match / commit / release against a brute-force block-level LRU model written independently.
+
+The reference keeps one record per cached block, keyed by the whole token prefix up to and including the
+block: (last access tick, pin count, pool block id). Every match and every commit is one tick. A match
+touches and pins the leading cached blocks of the prompt (at most (n-1)//bs); a commit touches the leading
+cached blocks of the committed sequence, moves the request's pins onto them, then evicts the least recently
+used unpinned block without a cached child (ties: deeper first) until the new blocks fit or nothing is
+evictable, and caches what fits. Every hit, every commit result and the exact set of cached pool block ids
+are compared after every step, and check_integrity() runs after every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from prefixcache import CacheConfig, PrefixCache
+
+BASES = [(), (0, 0, 0, 0), (0, 1, 2, 0, 1, 2, 0, 1), (1, 1, 1, 1, 2, 2, 2, 2), (2,)]
+
+
+@dataclass
+class Block:
+    time: int
+    pins: int
+    block_id: int = -1
+
+
+class Reference:
+    """Brute-force block-level LRU over token prefixes."""
+
+    def __init__(self, num_blocks: int, bs: int) -> None:
+        self.num_blocks, self.bs = num_blocks, bs
+        self.blocks: dict[tuple, Block] = {}
+        self.pinned: dict[int, list[tuple]] = {}  # request -> prefixes it pins
+        self.tick = 0
+        self.evicted = 0
+        self.inserted = 0
+
+    def prefixes(self, tokens: tuple, nblocks: int) -> list[tuple]:
+        return [tokens[: (i + 1) * self.bs] for i in range(nblocks)]
+
+    def cached_run(self, tokens: tuple, nblocks: int) -> list[tuple]:
+        run = []
+        for p in self.prefixes(tokens, nblocks):
+            if p not in self.blocks:
+                break
+            run.append(p)
+        return run
+
+    def served(self, tokens: tuple) -> list[tuple]:
+        return self.cached_run(tokens, (len(tokens) - 1) // self.bs)
+
+    def match(self, rid: int, tokens: tuple) -> list[tuple]:
+        self.tick += 1
+        run = self.served(tokens)
+        for p in run:
+            self.blocks[p].time = self.tick
+            self.blocks[p].pins += 1
+        self.pinned[rid] = run
+        return run
+
+    def has_child(self, p: tuple) -> bool:
+        return any(len(q) == len(p) + self.bs and q[: len(p)] == p for q in self.blocks)
+
+    def commit(self, rid: int, tokens: tuple) -> tuple[list[tuple], list[tuple], int]:
+        """Returns (cached run before, newly cached prefixes, blocks not cached)."""
+        self.tick += 1
+        nb = len(tokens) // self.bs
+        run = self.cached_run(tokens, nb)
+        for p in run:
+            self.blocks[p].time = self.tick
+            self.blocks[p].pins += 1
+        for p in self.pinned[rid]:
+            self.blocks[p].pins -= 1
+        want = nb - len(run)
+        free = self.num_blocks - len(self.blocks)
+        while free < want:
+            leaves = [p for p, b in self.blocks.items() if b.pins == 0 and not self.has_child(p)]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda p: (self.blocks[p].time, -len(p)))
+            del self.blocks[victim]
+            self.evicted += 1
+            free += 1
+        fit = min(want, free)
+        new = self.prefixes(tokens, nb)[len(run) : len(run) + fit]
+        for p in new:
+            self.blocks[p] = Block(self.tick, 1)
+        self.inserted += fit
+        self.pinned[rid] = run + new
+        return run, new, want - fit
+
+    def release(self, rid: int) -> None:
+        for p in self.pinned.pop(rid):
+            self.blocks[p].pins -= 1
+
+
+def machine(block_size: int, num_blocks: int, mode: str = "tokens", verify: bool = True, max_prompt: int = 14):
+    """A state machine class comparing PrefixCache (``mode`` "tokens" or "keys") with Reference."""
+    bs = block_size
+    tail = st.lists(st.integers(0, 2), max_size=max_prompt)
+    prompts = st.builds(lambda b, t: (b + tuple(t))[:max_prompt] or (0,), st.sampled_from(BASES), tail)
+    extras = st.lists(st.integers(0, 2), max_size=2 * bs + 2).map(tuple)
+
+    def keys_of(tokens: tuple, partial: bool) -> list[tuple]:
+        """One key per block: the whole prefix up to the block's end (a partial last block too if asked)."""
+        n = -(-len(tokens) // bs) if partial else len(tokens) // bs
+        return [tokens[: (i + 1) * bs] for i in range(n)]
+
+    class Machine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            cfg = CacheConfig(num_blocks=num_blocks, block_size=bs, verify_tokens=verify)
+            self.cache = PrefixCache(cfg)
+            self.ref = Reference(num_blocks, bs)
+            self.live: list[tuple[object, tuple]] = []  # (handle, prompt)
+
+        @precondition(lambda self: len(self.live) < 4)
+        @rule(prompt=prompts)
+        def match(self, prompt):
+            if mode == "tokens":
+                m = self.cache.match(list(prompt))
+            else:
+                n = len(prompt)
+                m = self.cache.match_keys(keys_of(prompt, True), max_blocks=(n - 1) // bs, num_tokens=n)
+            run = self.ref.match(m.handle.id, prompt)
+            assert m.cached_tokens == len(run) * bs
+            assert m.block_ids == tuple(self.ref.blocks[p].block_id for p in run)
+            event(f"match: {'hit' if run else 'miss'}")
+            self.live.append((m.handle, prompt))
+
+        @precondition(lambda self: self.live)
+        @rule(i=st.integers(0, 3), extra=extras, other=st.none() | prompts)
+        def commit(self, i, extra, other):
+            handle, prompt = self.live[i % len(self.live)]
+            seq = (prompt if other is None else other) + extra
+            default = seq == prompt and (mode == "tokens" or len(prompt) % bs == 0)
+            if mode == "tokens":
+                r = self.cache.commit(handle, None if default else list(seq))
+            else:
+                r = self.cache.commit_keys(handle, None if default else keys_of(seq, False))
+            evicted = self.ref.evicted
+            run, new, not_cached = self.ref.commit(handle.id, seq)
+            assert (r.first_block, len(r.block_ids), r.not_cached) == (len(run), len(new), not_cached)
+            assert r.cached_blocks == len(run) + len(new)
+            for p, b in zip(new, r.block_ids):
+                self.ref.blocks[p].block_id = b
+            event(f"commit: evicted {'some' if self.ref.evicted > evicted else 'none'}")
+            event(f"commit: {'some' if r.not_cached else 'no'} blocks did not fit")
+
+        @precondition(lambda self: self.live)
+        @rule(i=st.integers(0, 3))
+        def release(self, i):
+            handle, _ = self.live.pop(i % len(self.live))
+            self.cache.release(handle)
+            self.ref.release(handle.id)
+
+        if mode == "tokens":
+
+            @rule(prompt=prompts)
+            def probe(self, prompt):
+                assert self.cache.probe(list(prompt)) == len(self.ref.served(prompt)) * bs
+
+        @invariant()
+        def agrees(self):
+            self.cache.check_integrity()
+            ref = self.ref
+            assert self.cache.num_cached_blocks == len(ref.blocks)
+            cached_ids = {b for node in self.cache.tree.nodes() for b in node.blocks}
+            assert cached_ids == {blk.block_id for blk in ref.blocks.values()}
+            assert self.cache.num_active_requests == len(self.live)
+            s = self.cache.stats
+            assert (s.blocks_evicted, s.blocks_inserted) == (ref.evicted, ref.inserted)
+
+    Machine.TestCase.settings = settings(
+        max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    return Machine
+
+
+TestTokensBlock1 = machine(1, 6, max_prompt=8).TestCase
+TestTokensBlock4 = machine(4, 8).TestCase
+TestTokensBlock4NoVerify = machine(4, 10, verify=False).TestCase
+TestKeysBlock1 = machine(1, 7, mode="keys", max_prompt=8).TestCase
+TestKeysBlock4 = machine(4, 8, mode="keys").TestCase

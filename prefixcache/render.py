@@ -1,0 +1,92 @@
+"""Turning scenario requests into prompt token ids, and carrying multi-turn chat history.
+
+A :class:`Renderer` encodes text and chat messages. :class:`ByteRenderer` is a pure-Python twin of the
+built-in byte-level tokenizer (engine/models.py): utf-8 bytes are ids 0-255, ``<|bos|>`` is 256, role
+markers and ``<|end|>`` follow, and chat uses the same template
+``<|bos|>`` + ``<|role|>content<|end|>`` per message + ``<|assistant|>``. So ``simulate`` needs no transformers
+and gives the same token ids as ``replay`` on a built-in model (for roles system/user/assistant; other
+roles are spelled out as bytes, as the template does).
+
+:class:`Conversations` keeps each conversation's history: a turn's prompt is the history (earlier messages
+and the replies given to them, as text, like a chat client resends them) plus the turn's new messages.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from prefixcache.trace import Message, ScenarioRequest
+
+# The built-in tokenizer's special tokens, in id order from 256 (mirrors engine/models.py SPECIAL_TOKENS).
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_IDS = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
+BOS_ID = SPECIAL_IDS["<|bos|>"]
+REPLY_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz      .,", dtype=np.uint8)
+
+
+class Renderer(Protocol):
+    """Encodes requests into prompt token ids."""
+
+    def encode_text(self, text: str) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]: ...
+
+
+class ByteRenderer:
+    """utf-8 bytes as ids plus the built-in special tokens; no dependencies."""
+
+    def encode_text(self, text: str) -> list[int]:
+        """``<|bos|>`` then the text's utf-8 bytes (what the built-in tokenizer gives with special tokens)."""
+        return [BOS_ID, *text.encode("utf-8")]
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        """The chat template: ``<|bos|>`` ``<|role|>content<|end|>``... ``<|assistant|>``."""
+        out = [BOS_ID]
+        for m in messages:
+            marker = f"<|{m.role}|>"
+            if marker in SPECIAL_IDS:
+                out.append(SPECIAL_IDS[marker])
+            else:
+                out.extend(marker.encode("utf-8"))
+            out.extend(m.content.encode("utf-8"))
+            out.append(SPECIAL_IDS["<|end|>"])
+        out.append(SPECIAL_IDS["<|assistant|>"])
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes back to text; special tokens are dropped."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def synthetic_reply(seed: int, index: int, length: int) -> str:
+    """A seeded stand-in for a model's reply (lowercase ASCII words), ``length`` characters = byte tokens."""
+    rng = np.random.default_rng([seed, index, 0x5EED])
+    return rng.choice(REPLY_ALPHABET, size=length).tobytes().decode("ascii")
+
+
+class Conversations:
+    """Chat histories by conversation id. ``prompt`` reads them; ``add_reply`` extends them."""
+
+    def __init__(self) -> None:
+        self._history: dict[str, list[Message]] = {}
+
+    def messages(self, req: ScenarioRequest) -> list[Message]:
+        """The full message list of a chat request: its conversation's history, then its own messages."""
+        assert req.messages is not None
+        history = self._history.get(req.conversation, []) if req.conversation is not None else []
+        return [*history, *req.messages]
+
+    def prompt(self, req: ScenarioRequest, renderer: Renderer) -> list[int]:
+        """Prompt token ids of ``req`` (text, chat with history, or raw tokens). Changes nothing."""
+        if req.tokens is not None:
+            return list(req.tokens)
+        if req.text is not None:
+            return renderer.encode_text(req.text)
+        return renderer.encode_chat(self.messages(req))
+
+    def add_reply(self, req: ScenarioRequest, reply: str) -> None:
+        """Record the reply to ``req``: later turns of its conversation see its messages and this reply."""
+        if req.messages is None or req.conversation is None:
+            return
+        self._history[req.conversation] = [*self.messages(req), Message("assistant", reply)]

@@ -1,0 +1,154 @@
+"""The `prefixcache` CLI on real sample files: runs, sweeps, run records, user errors (exit 2), Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from prefixcache import cli
+from prefixcache.simulate import simulate_trace
+from prefixcache.trace import load_trace
+
+DATA = Path(__file__).parent / "data"
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
+SAMPLE = DATA / "mooncake_synthetic_3601_3800.jsonl"
+runner = CliRunner()
+
+
+def run(*args: str):
+    result = runner.invoke(cli.app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+def test_help_lists_commands():
+    r = run("--help")
+    assert r.exit_code == 0
+    for cmd in ("simulate", "replay", "report"):
+        assert cmd in r.output
+
+
+def test_simulate_sweep_writes_versioned_record(tmp_path):
+    out = tmp_path / "run.json"
+    r = run("simulate", SAMPLE, "--capacity", "51200", "--capacity-blocks", "40", "--capacity", "unlimited",
+            "--json", out)
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    assert rec["version"] == 1 and rec["command"] == "simulate" and rec["partial"] is False
+    caps = [t["capacity_blocks"] for t in rec["totals"]]
+    assert caps == [40, 100, None]  # smallest first, unlimited last
+    trace = load_trace(SAMPLE)
+    for t, run_ in zip(rec["totals"], rec["runs"]):
+        ref = simulate_trace(trace, t["pool_blocks"]).totals()
+        for key in ("requests", "prompt_tokens", "cached_tokens", "token_hit_rate", "block_hit_rate"):
+            assert t[key] == ref[key]
+        assert len(run_["rows"]) == 200
+        assert {"prompt_tokens", "cached_tokens", "evicted_blocks", "outputs_match"} <= set(run_["rows"][0])
+    assert rec["totals"][-1]["evicted_blocks"] == 0
+
+
+def test_simulate_scenario_and_warmup(tmp_path):
+    out = tmp_path / "run.json"
+    r = run("simulate", SCENARIOS / "chat.yaml", "--warmup", "0.5", "--json", out)
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    rows = rec["runs"][0]["rows"]
+    assert sum(row["warmup"] for row in rows) == len(rows) // 2
+    assert rec["totals"][0]["requests"] == len(rows) - len(rows) // 2
+    assert len(rec["totals"]) == 2  # the scenario's own capacities
+
+
+def _bad_trace(tmp_path: Path, line: str) -> Path:
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join([*SAMPLE.read_text().splitlines()[:5], line]) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 2000, "hash_ids": [1, 2]}'), [],
+     ":6: 2 hash_ids for input_length 2000"),
+    (lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 20'), [], ":6: not valid JSON"),
+    (lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 20, "hash_ids": [1], "x": 1}'), [],
+     ":6: unknown key 'x'"),
+    (lambda d: d / "missing.jsonl", [], "no such trace file"),
+    (lambda d: d / "missing.yaml", [], "no such scenario file"),
+    (lambda d: SAMPLE, ["--capacity", "0"], "--capacity must be > 0"),
+    (lambda d: SAMPLE, ["--capacity", "-3"], "--capacity must be > 0"),
+    (lambda d: SAMPLE, ["--capacity", "lots"], "expected a number of tokens"),
+    (lambda d: SAMPLE, ["--capacity", "100"], "less than one block of 512"),
+    (lambda d: SAMPLE, ["--capacity-blocks", "0"], "--capacity-blocks must be > 0"),
+    (lambda d: SAMPLE, ["--warmup", "1.5"], "--warmup"),
+    (lambda d: SAMPLE, ["--eviction", "random"], "unknown policy 'random'"),
+])
+def test_simulate_user_errors_exit_2(tmp_path, make, args, message):
+    r = run("simulate", make(tmp_path), *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+
+
+def test_bad_yaml_names_line_and_key(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("name: x\nrequests:\n  - text: hi\n    colour: red\n")
+    r = run("simulate", p)
+    assert r.exit_code == 2 and f"{p}:4: unknown key 'colour'" in r.output.replace("\n", "")
+    p.write_text("requests:\n  - text: hi\n  x: [\n")
+    r = run("simulate", p)
+    assert r.exit_code == 2 and "malformed YAML" in r.output
+
+
+def test_replay_refuses_a_trace():
+    r = run("replay", SAMPLE)
+    assert r.exit_code == 2 and "can only be simulated" in r.output
+
+
+def test_ctrl_c_writes_partial_record(tmp_path, monkeypatch):
+    out = tmp_path / "run.json"
+    real_row = cli._Progress.row
+
+    def row(self, r, cache=None):
+        real_row(self, r, cache)
+        if r.index == 29:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli._Progress, "row", row)
+    r = run("simulate", SAMPLE, "--capacity-blocks", "100", "--capacity-blocks", "200", "--json", out)
+    assert r.exit_code == 130
+    rec = json.loads(out.read_text())
+    assert rec["partial"] is True and len(rec["runs"]) == 1 and len(rec["runs"][0]["rows"]) == 30
+    assert rec["totals"][0]["requests"] == 30
+    r = run("report", out)  # the partial record still renders
+    assert r.exit_code == 0 and "PARTIAL" in r.output
+
+
+def test_report_renders_and_rejects_bad_records(tmp_path):
+    out = tmp_path / "run.json"
+    assert run("simulate", SAMPLE, "--capacity-blocks", "50", "--capacity-blocks", "500", "--json", out).exit_code == 0
+    r = run("report", out, "--html", tmp_path / "r.html", "--markdown", tmp_path / "md" / "r.md")
+    assert r.exit_code == 0, r.output
+    assert "token hit rate" in r.output
+    html = (tmp_path / "r.html").read_text()
+    assert html.count("data:image/png;base64,") == 3 and "src='http" not in html
+    md = (tmp_path / "md" / "r.md").read_text()
+    for stem in ("hit_rate", "tokens_saved", "capacity"):
+        assert (tmp_path / "md" / f"r_{stem}.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"(r_{stem}.png)" in md
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 9, "command": "simulate"}')
+    r = run("report", bad)
+    assert r.exit_code == 2 and "version 9 is not supported" in r.output
+    bad.write_text('{"version": 1,\n "command": }')
+    r = run("report", bad)
+    assert r.exit_code == 2 and "bad.json:2: not valid JSON" in r.output.replace("\n", "")
+    assert run("report", tmp_path / "nope.json").exit_code == 2
+
+
+def test_console_script_entry_point(tmp_path):
+    """The installed entry point runs in a fresh process; a user error exits 2 without a traceback."""
+    r = subprocess.run([sys.executable, "-c", "from prefixcache.cli import main; main()", "simulate",
+                        str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no such trace file" in r.stderr and "Traceback" not in r.stderr

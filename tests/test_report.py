@@ -1,0 +1,70 @@
+"""Run records and reports: totals from hand-made rows, percentiles against numpy, Markdown/HTML output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from prefixcache.report import plots, summary_table, to_html, to_markdown
+from prefixcache.runrecord import Row, RunResult, build_record, load_record, save_record, totals
+from prefixcache.trace import InputError
+
+
+def _rows(timed: bool = False) -> list[Row]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(40):
+        prompt = int(rng.integers(20, 200))
+        hit = int(rng.integers(0, prompt // 16))
+        t = dict(ttft_cached_s=float(rng.uniform(0.01, 0.05)), total_cached_s=0.2, ttft_uncached_s=float(rng.uniform(0.05, 0.2)),
+                 total_uncached_s=0.4, outputs_match=i != 7, output_tokens=8) if timed else {}
+        out.append(Row(i, "default", prompt, hit * 16, -(-prompt // 16), hit, 2, i % 3, min(30, i), i < 4, float(i), **t))
+    return out
+
+
+def test_totals_by_hand():
+    rows = _rows(timed=True)
+    t = totals(rows, capacity_blocks=32, block_size=16)
+    m = rows[4:]  # warm-up rows excluded
+    assert t["requests"] == 36
+    assert t["prompt_tokens"] == sum(r.prompt_tokens for r in m)
+    assert t["token_hit_rate"] == pytest.approx(sum(r.cached_tokens for r in m) / sum(r.prompt_tokens for r in m))
+    assert t["block_hit_rate"] == pytest.approx(sum(r.hit_blocks for r in m) / sum(r.blocks for r in m))
+    assert t["hit_request_share"] == pytest.approx(sum(r.hit_blocks > 0 for r in m) / 36)
+    assert t["evicted_blocks"] == sum(i % 3 for i in range(4, 40))
+    assert t["peak_pool_blocks"] == 30 and t["peak_pool_occupancy"] == pytest.approx(30 / 32)
+    for q in (50, 90, 99):
+        assert t[f"ttft_cached_p{q}_s"] == pytest.approx(np.percentile([r.ttft_cached_s for r in m], q))
+        assert t[f"ttft_uncached_p{q}_s"] == pytest.approx(np.percentile([r.ttft_uncached_s for r in m], q))
+    assert t["ttft_speedup_p50"] == pytest.approx(t["ttft_uncached_p50_s"] / t["ttft_cached_p50_s"])
+    assert t["outputs_checked"] == 36 and t["outputs_mismatched"] == 1
+
+
+def test_record_round_trip_and_documents(tmp_path):
+    results = [RunResult(32, 16, tuple(_rows(True))), RunResult(64, 16, tuple(_rows(True)))]
+    rec = build_record("replay", "x.yaml", {"model": "tiny"}, results)
+    save_record(rec, tmp_path / "r.json")
+    back = load_record(tmp_path / "r.json")
+    assert back == json.loads(json.dumps(rec))
+    assert [t["capacity_tokens"] for t in back["totals"]] == [512, 1024]
+    stems = [s for s, _, _ in plots(back)]
+    assert stems == ["hit_rate", "tokens_saved", "ttft", "capacity"]
+    html = to_html(back, tmp_path / "r.html").read_text()
+    assert html.count("data:image/png;base64,") == 4 and "TTFT p50" in html
+    files = to_markdown(back, tmp_path / "r.md")
+    assert len(files) == 5 and all(f.exists() for f in files)
+    text = Console(width=200, record=True)
+    text.print(summary_table(back))
+    out = text.export_text()
+    assert "TTFT speedup" in out and "35/36" in out and "512 tok" in out
+
+
+def test_load_record_rejects_unknown_row_keys(tmp_path):
+    rec = build_record("simulate", "x", {}, [RunResult(8, 16, tuple(_rows()))])
+    rec["runs"][0]["rows"][3]["surprise"] = 1
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    with pytest.raises(InputError, match="row 3 has unknown key 'surprise'"):
+        load_record(tmp_path / "r.json")

@@ -1,0 +1,192 @@
+"""Model-free replay: published figures, a brute-force LRU reference, token scenarios, warm-up, interrupts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from prefixcache.render import ByteRenderer, Conversations, synthetic_reply
+from prefixcache.simulate import Capacity, simulate, simulate_requests, simulate_trace, unlimited_blocks
+from prefixcache.trace import load_scenario, load_trace
+
+DATA = Path(__file__).parent / "data"
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
+
+
+# ---- DESIGN.md §7: LRU, file order, no warm-up, block-weighted ---------------------------------------------
+@pytest.mark.parametrize("name, blocks, expected", [
+    ("mooncake_conversation_trace.jsonl", 1_000, 0.0445),
+    ("mooncake_conversation_trace.jsonl", 10_000, 0.2116),
+    ("mooncake_conversation_trace.jsonl", None, 0.3664),
+    ("mooncake_synthetic_trace.jsonl", None, 0.6396),
+    ("mooncake_synthetic_trace.jsonl", 10_000, 0.4239),
+])
+def test_published_block_hit_rates(traces_dir, name, blocks, expected):
+    trace = load_trace(traces_dir / name)
+    nb = blocks or trace.unique_blocks()
+    r = simulate_trace(trace, nb, unlimited=blocks is None)
+    assert round(r.totals()["block_hit_rate"], 4) == expected
+    if blocks is None:
+        assert r.totals()["evicted_blocks"] == 0
+
+
+# ---- an independent brute-force LRU over hash ids -------------------------------------------------------
+def brute_force_lru(requests: list[list[int]], capacity: int) -> list[int]:
+    """Hit blocks per request: leading cached ids; then the missing ids are inserted, evicting unpinned leaves
+    least recently used first (a request touches its whole path at once; among its blocks the deepest goes
+    first). Scans everything on every eviction: slow and obviously right."""
+    parent: dict[int, int | None] = {}
+    children: dict[int, int] = {}
+    last: dict[int, tuple[int, int]] = {}  # id -> (time, -depth)
+    hits = []
+    for t, ids in enumerate(requests):
+        h = 0
+        while h < len(ids) and ids[h] in parent:
+            h += 1
+        hits.append(h)
+        pinned = set(ids[:h])
+        for d, b in enumerate(ids[:h]):
+            last[b] = (t, -d)
+        for d in range(h, len(ids)):
+            if len(parent) >= capacity:
+                leaves = [b for b in parent if children.get(b, 0) == 0 and b not in pinned]
+                if not leaves:
+                    break
+                victim = min(leaves, key=lambda b: last[b])
+                p = parent.pop(victim)
+                del last[victim]
+                if p is not None:
+                    children[p] -= 1
+            b = ids[d]
+            p = ids[d - 1] if d else None
+            parent[b] = p
+            if p is not None:
+                children[p] = children.get(p, 0) + 1
+            last[b] = (t, -d)
+            pinned.add(b)
+    return hits
+
+
+@pytest.mark.parametrize("capacity", [40, 300, 1200])
+def test_trace_replay_equals_brute_force(capacity):
+    # lines 3601-3800 of the Mooncake synthetic trace: 8,662 block references, 44% reusable
+    trace = load_trace(DATA / "mooncake_synthetic_3601_3800.jsonl")
+    reqs = [list(r.hash_ids) for r in trace]
+    expected = brute_force_lru(reqs, capacity)
+    assert sum(expected) > 50  # the window really reuses blocks
+    got = simulate_trace(trace, capacity)
+    assert [row.hit_blocks for row in got.rows] == expected
+    assert all(row.cached_tokens == min(h * 512, row.prompt_tokens) for row, h in zip(got.rows, expected))
+    assert max(row.pool_used_blocks for row in got.rows) <= capacity
+
+
+def random_prefix_trace(seed: int, n: int = 120) -> list[list[int]]:
+    """Requests that extend a random prefix of an earlier request with fresh ids (heavy sharing)."""
+    rng = random.Random(seed)
+    reqs: list[list[int]] = []
+    fresh = iter(range(10**6))
+    for _ in range(n):
+        base = rng.choice(reqs)[: rng.randint(0, 12)] if reqs and rng.random() < 0.8 else []
+        reqs.append(base + [next(fresh) for _ in range(rng.randint(0 if base else 1, 6))])
+    return reqs
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("capacity", [3, 8, 25])
+def test_random_trace_replay_equals_brute_force(tmp_path, seed, capacity):
+    reqs = random_prefix_trace(seed)
+    p = tmp_path / "r.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i, "input_length": 16 * len(ids), "hash_ids": ids}) + "\n"
+                         for i, ids in enumerate(reqs)))
+    got = simulate_trace(load_trace(p, block_size=16), capacity)
+    assert [row.hit_blocks for row in got.rows] == brute_force_lru(reqs, capacity)
+
+
+# ---- token scenarios: unlimited capacity = longest common prefix with anything served before --------------
+def lcp_reference(scenario, block_size: int) -> list[int]:
+    """Cached tokens per request with unlimited capacity: the longest block-aligned common prefix with an
+    earlier request's prompt + synthesised reply (less its last token), same namespace; >= 1 token computed."""
+    conv, r = Conversations(), ByteRenderer()
+    seen: list[tuple[str, list[int]]] = []
+    out = []
+    for i, req in enumerate(scenario.requests):
+        prompt = conv.prompt(req, r)
+        k = req.max_new_tokens or scenario.max_new_tokens
+        best = 0
+        for ns, seq in seen:
+            if ns != req.namespace:
+                continue
+            n = 0
+            while n < min(len(seq), len(prompt)) and seq[n] == prompt[n]:
+                n += 1
+            best = max(best, n)
+        best = min(best // block_size, (len(prompt) - 1) // block_size) * block_size
+        out.append(best)
+        reply = synthetic_reply(scenario.seed, i, k)
+        full = prompt + list(reply.encode("ascii"))[:-1]
+        seen.append((req.namespace, full[: len(full) // block_size * block_size]))
+        conv.add_reply(req, reply)
+    return out
+
+
+@pytest.mark.parametrize("name", ["handwritten", "chat", "agent", "rag", "few_shot", "parallel_samples",
+                                  "shared_prompt"])
+def test_scenario_unlimited_equals_lcp_reference(name):
+    sc = load_scenario(SCENARIOS / f"{name}.yaml")
+    bs = sc.block_size
+    got = simulate_requests(sc, unlimited_blocks(sc, bs), bs)
+    assert [row.cached_tokens for row in got.rows] == lcp_reference(sc, bs)
+    assert got.totals()["evicted_blocks"] == 0
+
+
+def test_small_pool_never_beats_unlimited_and_evicts():
+    sc = load_scenario(SCENARIOS / "rag.yaml")
+    small, big = simulate(sc, [Capacity(20), Capacity(None)], block_size=16)
+    assert small.totals()["cached_tokens"] < big.totals()["cached_tokens"]
+    assert small.totals()["evicted_blocks"] > 0
+    assert small.totals()["peak_pool_blocks"] <= 20
+
+
+# ---- warm-up and totals -----------------------------------------------------------------------------------
+def test_warmup_excludes_first_requests():
+    trace = load_trace(DATA / "mooncake_conversation_head200.jsonl")
+    full = simulate_trace(trace, 100)
+    warm = simulate_trace(trace, 100, warmup=0.25)
+    assert [r.hit_blocks for r in warm.rows] == [r.hit_blocks for r in full.rows]  # same replay
+    t = warm.totals()
+    later = full.rows[50:]
+    assert t["requests"] == 150
+    assert t["hit_blocks"] == sum(r.hit_blocks for r in later)
+    assert t["blocks"] == sum(r.blocks for r in later)
+    assert t["token_hit_rate"] == sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later)
+    with pytest.raises(ValueError, match="warmup"):
+        simulate_trace(trace, 100, warmup=1.0)
+
+
+def test_namespaces_never_share():
+    trace = load_trace(DATA / "kvtester_sample.jsonl")  # three identical requests, one session
+    r = simulate_trace(trace, 100)
+    assert [row.hit_blocks for row in r.rows] == [0, 8, 8]
+
+
+# ---- Ctrl-C keeps a usable partial run --------------------------------------------------------------------
+def test_interrupt_returns_partial_rows_and_releases_pins():
+    trace = load_trace(DATA / "mooncake_conversation_head200.jsonl")
+    seen = []
+
+    def on_row(row, cache):
+        seen.append(cache)
+        if row.index == 9:
+            raise KeyboardInterrupt
+
+    r = simulate_trace(trace, 50, on_row=on_row)
+    assert r.partial and len(r.rows) == 10
+    cache = seen[-1]
+    assert cache.num_active_requests == 0
+    cache.check_integrity()
+    results = simulate(load_scenario(SCENARIOS / "chat.yaml"), [Capacity(10), Capacity(100)], block_size=16,
+                       on_row=lambda row, c: (_ for _ in ()).throw(KeyboardInterrupt) if row.index == 3 else None)
+    assert len(results) == 1 and results[0].partial and len(results[0].rows) == 4

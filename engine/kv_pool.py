@@ -1,0 +1,168 @@
+"""KVPool: preallocated K/V storage for cached blocks, on the model's device and dtype.
+
+Layout: per layer and side, one tensor ``[heads, num_blocks, block_size * head_dim]``. Gathering n blocks
+is ONE ``index_select`` on dim 1 per layer and side, written into a reusable contiguous buffer
+``[heads, n, block_size * head_dim]`` that reshapes (a view, no copy) to ``[1, heads, n * block_size,
+head_dim]`` -- exactly what a ``DynamicCache`` layer holds. (Measured: one 5-D tensor for all layers is
+slower -- index_select on an inner dim of a 5-D tensor and fresh 100+ MB results that page-fault.) K and V shapes may differ (e.g. latent attention); layers without KV (shared
+or attention-free layers) are ``None`` in the spec and get ``None`` back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Per-token shapes of one layer's K and V: (heads, head_dim) each."""
+
+    k_shape: tuple[int, int]
+    v_shape: tuple[int, int]
+
+    @property
+    def numel_per_token(self) -> int:
+        return self.k_shape[0] * self.k_shape[1] + self.v_shape[0] * self.v_shape[1]
+
+
+def bytes_per_token(specs: Sequence[LayerSpec | None], dtype: torch.dtype) -> int:
+    """Bytes of K+V one token takes across all layers."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(s.numel_per_token for s in specs if s is not None) * item
+
+
+class KVPool:
+    """K/V tensors for ``num_blocks`` blocks of ``block_size`` tokens; gather and scatter by block id."""
+
+    def __init__(
+        self, specs: Sequence[LayerSpec | None], num_blocks: int, block_size: int, *,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> None:
+        """Allocate (and touch: zeros, so the memory is committed now, not on the first scatter) the pool."""
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"KVPool needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.specs = list(specs)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        with _plain_tensors():
+            self._allocate()
+
+    def _allocate(self) -> None:
+        dtype, num_blocks, block_size = self.dtype, self.num_blocks, self.block_size
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for spec in self.specs:
+            if spec is None:
+                self._layers.append(None)
+                continue
+            (kh, kd), (vh, vd) = spec.k_shape, spec.v_shape
+            self._layers.append((
+                torch.zeros((kh, num_blocks, block_size * kd), dtype=dtype, device=self.device),
+                torch.zeros((vh, num_blocks, block_size * vd), dtype=dtype, device=self.device),
+            ))
+        # reusable gather buffers (flat, grown on demand); see gather()
+        self._scratch: list[list[torch.Tensor]] = [
+            [torch.empty(0, dtype=dtype, device=self.device)] * 2 for _ in self.specs
+        ]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool's block tensors hold (gather buffers not counted)."""
+        return sum(t.numel() * t.element_size() for pair in self._layers if pair is not None for t in pair)
+
+    def gather(self, block_ids: Sequence[int]) -> list[LayerKV | None]:
+        """K, V of ``block_ids`` in order, per layer, each ``[1, heads, len(block_ids) * block_size, dim]``.
+
+        The results are never views of the pool: they live in this pool's gather buffers, which the NEXT
+        gather overwrites -- hand them to a cache that copies on append (``DynamicLayer`` does: ``torch.cat``),
+        or clone them. Reusing the buffers avoids page-faulting fresh memory on every call. Changes nothing
+        in the pool.
+        """
+        with _plain_tensors():
+            return self._gather(block_ids)
+
+    def _gather(self, block_ids: Sequence[int]) -> list[LayerKV | None]:
+        out: list[LayerKV | None] = [None] * len(self.specs)
+        n = len(block_ids)
+        if n == 0:
+            return out
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        t = n * self.block_size
+        for layer, pair in enumerate(self._layers):
+            if pair is None:
+                continue
+            sides = []
+            for side, src in enumerate(pair):
+                heads, _, width = src.shape
+                need = heads * n * width
+                buf = self._scratch[layer][side]
+                if buf.numel() < need:
+                    buf = torch.empty(need, dtype=self.dtype, device=self.device)
+                    self._scratch[layer][side] = buf
+                dst = buf[:need].view(heads, n, width)
+                torch.index_select(src, 1, idx, out=dst)
+                sides.append(dst.view(1, heads, t, width // self.block_size))
+            out[layer] = (sides[0], sides[1])
+        return out
+
+    def scatter(self, block_ids: Sequence[int], kv: Sequence[LayerKV | None]) -> None:
+        """Write per-layer K, V (``[1, heads, len(block_ids) * block_size, dim]``) into ``block_ids``.
+
+        Changes the pool: overwrites those blocks in every layer.
+        """
+        with _plain_tensors():
+            self._scatter(block_ids, kv)
+
+    def _scatter(self, block_ids: Sequence[int], kv: Sequence[LayerKV | None]) -> None:
+        n = len(block_ids)
+        if n == 0:
+            return
+        if len(kv) != len(self.specs):
+            raise ValueError(f"scatter got KV for {len(kv)} layers, the pool has {len(self.specs)}")
+        runs = _runs(block_ids)
+        t = n * self.block_size
+        for layer, pair in enumerate(self._layers):
+            if pair is None:
+                continue
+            if kv[layer] is None:
+                raise ValueError(f"scatter: layer {layer} has no KV but the pool stores it")
+            for side, dst in enumerate(pair):
+                src = kv[layer][side]
+                heads, width = dst.shape[0], dst.shape[2]
+                dim = width // self.block_size
+                if tuple(src.shape) != (1, heads, t, dim):
+                    raise ValueError(
+                        f"scatter: layer {layer} {'KV'[side]} has shape {tuple(src.shape)}, expected {(1, heads, t, dim)}"
+                    )
+                src = src[0].to(dtype=self.dtype, device=self.device)
+                for first, start, count in runs:  # one copy per run of consecutive block ids
+                    part = src[:, start * self.block_size : (start + count) * self.block_size]
+                    dst[:, first : first + count].copy_(part.reshape(heads, count, width))
+
+
+def _plain_tensors():
+    """Pool tensors must be normal tensors (not inference tensors), whatever mode the caller runs in."""
+    return torch.inference_mode(False)
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split block ids into runs of consecutive ids: (first id, position in block_ids, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(block_ids):
+        b = int(b)
+        if runs and runs[-1][0] + runs[-1][2] == b:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((b, pos, 1))
+    return runs

@@ -1,0 +1,136 @@
+"""The built-in default model and tokenizer (no downloads), and loading a model from a local path.
+
+Presets are Llama-style models with seeded random weights and a byte-level tokenizer: 256 byte tokens plus
+special tokens (``<|bos|>``, ``<|eos|>``, ``<|pad|>``, role markers) and a chat template. Random weights give
+meaningless text but real compute: enough for cache correctness and speed measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Shape of a built-in Llama-style model."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    vocab_size: int = 272  # 256 bytes + 7 specials, rounded up to a multiple of 16
+    initializer_range: float = 0.02
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, max_position_embeddings=2048, initializer_range=0.1),
+    "small": Preset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                    intermediate_size=3072, max_position_embeddings=4096),
+}
+
+
+def byte_tokenizer():
+    """A byte-level ``PreTrainedTokenizerFast``: ids 0-255 are bytes, then the special tokens; a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    bos = 256
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        padding_side="left", chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the one ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0):
+    """A preset model with seeded random weights (the global RNG is left untouched) and its tokenizer."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    tokenizer = byte_tokenizer()
+    p = PRESETS[name]
+    config = LlamaConfig(
+        **asdict(p), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype, device=device).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=False,
+    )
+    return model, tokenizer
+
+
+def load_model(name_or_path: str, *, dtype: Any = None, device: Any = None, seed: int = 0):
+    """``(model, tokenizer)`` for a preset name (see ``PRESETS``) or a local HF model directory.
+
+    Never downloads: a path is loaded with ``local_files_only=True``. ``dtype`` defaults to float32,
+    ``device`` to "cpu"; ``seed`` only matters for presets.
+    """
+    dtype = _dtype(dtype)
+    device = device or "cpu"
+    if name_or_path in PRESETS:
+        return build_preset(name_or_path, dtype=dtype, device=device, seed=seed)
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ValueError(
+            f"{name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local model directory"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]

@@ -1,0 +1,185 @@
+"""Replaying a scenario through a real model: cached (PrefixCachedModel) vs uncached (the raw model).
+
+For each request, in order: the prompt is rendered with the model's tokenizer (chat turns through its chat
+template, with the conversation's earlier replies as text, like a chat client resends them); the uncached
+baseline runs ``model.generate`` and the cached run ``PrefixCachedModel.generate`` on the same ids, both greedy
+with ``max_new_tokens``. The cached run's reply joins the conversation's history.
+
+TTFT is measured with a streamer: ``generate`` first hands the streamer the prompt, then each new token; the
+time from the call to the second ``put`` is the time to the first generated token (prefill + first sampling
+step). Total time is the whole ``generate`` call. The baseline runs right before the cached call of the same
+request (in every replay of a sweep), so both see the same machine load.
+
+On the built-in presets (random weights) generation is restricted to printable ASCII and ``<|eos|>``
+(``suppress_tokens``, the same for cached and uncached) so that replies decode to text and re-encode to the
+same tokens in the next turn, as a real model's replies do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from engine.models import PRESETS, load_model
+from engine.wrapper import PrefixCachedModel
+from prefixcache.render import Conversations, synthetic_reply
+from prefixcache.runrecord import Row, RunResult
+from prefixcache.simulate import Capacity, warmup_count
+from prefixcache.trace import Message, Scenario
+
+
+class ReplayError(ValueError):
+    """A scenario or model that cannot be replayed (e.g. a prompt longer than the model's context)."""
+
+
+class TTFTStreamer:
+    """Records when ``generate`` produced its first token (the second ``put``; the first is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+
+class HFRenderer:
+    """Renders requests with a Hugging Face tokenizer (its chat template for messages)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ReplayError("the model's tokenizer has no chat template; use text requests for this model")
+        out = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                 add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+
+def _timed_generate(fn: Callable, ids: torch.Tensor, kwargs: dict) -> tuple[list[int], float, float]:
+    streamer = TTFTStreamer()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = fn(ids, attention_mask=torch.ones_like(ids), streamer=streamer, **kwargs)
+    t1 = time.perf_counter()
+    seq = out if isinstance(out, torch.Tensor) else out.sequences
+    assert streamer.first is not None
+    return seq[0, ids.shape[1]:].tolist(), streamer.first - t0, t1 - t0
+
+
+def _ascii_only(tokenizer: Any) -> list[int]:
+    """Ids to suppress on the built-in byte tokenizer: non-printable bytes and specials other than eos."""
+    keep = set(range(32, 127)) | {10, tokenizer.eos_token_id}
+    return [i for i in range(len(tokenizer)) if i not in keep]
+
+
+def _estimate_unlimited(scenario: Scenario, renderer: HFRenderer, block_size: int) -> int:
+    """Blocks enough to never evict: prompts rendered with synthetic replies, plus all outputs, with margin."""
+    conv = Conversations()
+    total = 0
+    for i, req in enumerate(scenario.requests):
+        k = req.max_new_tokens or scenario.max_new_tokens
+        total += (len(conv.prompt(req, renderer)) + k) // block_size + 1
+        conv.add_reply(req, synthetic_reply(scenario.seed, i, k))
+    return max(1, int(total * 1.25))
+
+
+def replay(scenario: Scenario, capacities: list[Capacity], *, model: str = "tiny", block_size: int = 16,
+           warmup: float = 0.0, baseline: bool = True, dtype: Any = None, device: Any = None, seed: int = 0,
+           loaded: tuple[Any, Any] | None = None, on_start: Callable[[Capacity, int], None] | None = None,
+           on_row: Callable[[Row, Any], None] | None = None) -> tuple[list[RunResult], dict]:
+    """Replay ``scenario`` once per capacity through ``model`` (preset or local path; or ``loaded`` =
+    (model, tokenizer)). Returns the per-capacity results and facts about the model for the run record.
+
+    A KeyboardInterrupt stops the replay; what ran comes back with ``partial=True`` (pins are always released).
+    """
+    if scenario.trace is not None:
+        raise ReplayError("hash-id traces have no tokens; they can only be simulated")
+    if loaded is None:
+        try:
+            loaded = load_model(model, dtype=dtype, device=device, seed=seed)
+        except (ValueError, OSError) as exc:
+            raise ReplayError(f"cannot load model {model!r}: {exc}") from None
+    hf_model, tokenizer = loaded
+    renderer = HFRenderer(tokenizer)
+    gen: dict[str, Any] = {"do_sample": False}
+    if tokenizer.pad_token_id is not None:
+        gen["pad_token_id"] = tokenizer.pad_token_id
+    if model in PRESETS and loaded is not None and len(tokenizer) <= 512:
+        gen["suppress_tokens"] = _ascii_only(tokenizer)
+    max_pos = getattr(hf_model.config, "max_position_embeddings", None)
+    vocab = hf_model.config.vocab_size
+    info = {"model_class": type(hf_model).__name__, "dtype": str(next(hf_model.parameters()).dtype),
+            "device": str(next(hf_model.parameters()).device), "ttft": "streamer: time from the generate call "
+            "to its first generated token", "parameters": sum(p.numel() for p in hf_model.parameters())}
+    results: list[RunResult] = []
+    unl: int | None = None
+    for cap in capacities:
+        if cap.blocks is None and unl is None:
+            unl = _estimate_unlimited(scenario, renderer, block_size)
+        nb = cap.blocks if cap.blocks is not None else unl
+        assert nb is not None
+        if on_start is not None:
+            on_start(cap, len(scenario))
+        pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size)
+        res = _replay_one(scenario, pcm, hf_model, tokenizer, renderer, gen, nb, block_size, warmup, baseline,
+                          max_pos, vocab, cap.blocks is None, on_row)
+        results.append(res)
+        del pcm
+        if res.partial:
+            break
+    return results, info
+
+
+def _replay_one(scenario: Scenario, pcm: PrefixCachedModel, hf_model: Any, tokenizer: Any, renderer: HFRenderer,
+                gen: dict, nb: int, bs: int, warmup: float, baseline: bool, max_pos: int | None,
+                vocab: int, unlimited: bool, on_row: Callable | None) -> RunResult:
+    conv = Conversations()
+    n_warm = warmup_count(len(scenario.requests), warmup)
+    rows: list[Row] = []
+    stats = pcm.cache.stats
+    device = next(hf_model.parameters()).device
+    partial = False
+    try:
+        for i, req in enumerate(scenario.requests):
+            prompt = conv.prompt(req, renderer)
+            k = req.max_new_tokens or scenario.max_new_tokens
+            where = f"request {i + 1}" + (f" (line {req.line})" if req.line else "")
+            if max_pos is not None and len(prompt) + k > max_pos:
+                raise ReplayError(f"{where}: {len(prompt)} prompt + {k} new tokens exceed the model's "
+                                  f"{max_pos} positions")
+            if max(prompt) >= vocab:
+                raise ReplayError(f"{where}: token id {max(prompt)} is outside the model's vocabulary ({vocab})")
+            ids = torch.tensor([prompt], dtype=torch.long, device=device)
+            kw = dict(gen, max_new_tokens=k)
+            base = _timed_generate(hf_model.generate, ids, kw) if baseline else None
+            evicted0 = stats.blocks_evicted
+            out, ttft, total = _timed_generate(pcm.generate, ids, dict(kw, namespace=req.namespace))
+            rs = pcm.last_request_stats[0]
+            reply = tokenizer.decode(out, skip_special_tokens=True)
+            conv.add_reply(req, reply)
+            row = Row(i, req.namespace, rs.prompt_tokens, rs.cached_tokens, -(-len(prompt) // bs),
+                      rs.cached_tokens // bs, rs.inserted_blocks, stats.blocks_evicted - evicted0,
+                      pcm.cache.num_cached_blocks, i < n_warm, req.timestamp, len(out), ttft, total,
+                      base[1] if base else None, base[2] if base else None,
+                      (base[0] == out) if base else None)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row, pcm.cache)
+    except KeyboardInterrupt:
+        partial = True
+    return RunResult(nb, bs, tuple(rows), partial, unlimited)

@@ -1,0 +1,240 @@
+"""PrefixCachedModel: bad input, uncached routes, refused models, interrupts, batching details."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import transformers as T
+from engine_testutil import BS, compare, left_pad, rand_tokens, tiny_model
+
+from engine import PrefixCachedModel, RowStats, UnsupportedModelError
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def pcm(llama):
+    return PrefixCachedModel(llama, max_cached_tokens=1024, block_size=BS)
+
+
+def _consistent(pcm) -> None:
+    pcm.cache.check_integrity()
+    assert pcm.cache.num_active_requests == 0
+
+
+def _same_error(fn_ref, fn_test):
+    with pytest.raises(Exception) as ref:
+        fn_ref()
+    with pytest.raises(type(ref.value)):
+        fn_test()
+
+
+def test_bad_inputs_raise_like_the_model(llama, pcm):
+    g = torch.Generator().manual_seed(0)
+    warm = torch.tensor([rand_tokens(g, 20)])
+    pcm.generate(warm, max_new_tokens=2)
+    for bad in (torch.zeros((1, 0), dtype=torch.long), warm.float(), -warm):
+        _same_error(lambda: llama.generate(bad, max_new_tokens=2), lambda: pcm.generate(bad, max_new_tokens=2))
+        _consistent(pcm)
+
+
+def test_prompt_longer_than_positions_raises_like_gpt2():
+    model = tiny_model("gpt2")  # n_positions=64
+    pcm = PrefixCachedModel(model, max_cached_tokens=1024, block_size=BS)
+    g = torch.Generator().manual_seed(0)
+    base = rand_tokens(g, 40)
+    pcm.generate(torch.tensor([base]), max_new_tokens=2)
+    long = torch.tensor([base + rand_tokens(g, 40)])  # its first 40 tokens hit the cache
+    assert pcm.probe(long[0]) == 40
+    _same_error(lambda: model.generate(long, max_new_tokens=2), lambda: pcm.generate(long, max_new_tokens=2))
+    _consistent(pcm)
+    before = pcm.cache_stats()["blocks_inserted"]
+    compare(pcm, model, torch.tensor([base]))  # still serves correctly afterwards
+    assert pcm.cache_stats()["blocks_inserted"] == before
+
+
+class _Interrupt(T.StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise KeyboardInterrupt
+
+
+def test_interrupt_releases_pins(llama, pcm):
+    g = torch.Generator().manual_seed(0)
+    a = rand_tokens(g, 20)
+    pcm.generate(torch.tensor([a]), max_new_tokens=2)
+    with pytest.raises(KeyboardInterrupt):
+        pcm.generate(torch.tensor([a + [5, 6]]), max_new_tokens=3, stopping_criteria=T.StoppingCriteriaList([_Interrupt()]))
+    _consistent(pcm)
+    assert pcm.cache_stats()["blocks_used"] == 5  # nothing of the interrupted call was committed
+
+
+def test_uncached_routes_match_model(llama, pcm):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([rand_tokens(g, 20)])
+    pcm.generate(ids, max_new_tokens=2)  # warm the cache with this prompt
+    for kw in (dict(num_beams=2), dict(use_cache=False), dict(output_hidden_states=True, return_dict_in_generate=True)):
+        calls = pcm.uncached_calls
+        ref = llama.generate(ids, max_new_tokens=3, **kw)
+        out = pcm.generate(ids, max_new_tokens=3, **kw)
+        seq_ref = ref if isinstance(ref, torch.Tensor) else ref.sequences
+        seq_out = out if isinstance(out, torch.Tensor) else out.sequences
+        assert torch.equal(seq_out, seq_ref), kw
+        assert pcm.uncached_calls == calls + 1, kw
+        assert pcm.last_uncached_reason
+    embeds = llama.get_input_embeddings()(ids)
+    ref = llama.generate(inputs_embeds=embeds, max_new_tokens=3)
+    assert torch.equal(pcm.generate(inputs_embeds=embeds, max_new_tokens=3), ref)
+    with pytest.raises(ValueError, match="past_key_values"):
+        pcm.generate(ids, past_key_values=T.DynamicCache(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="cache"):
+        pcm.generate(ids, cache=T.DynamicCache(), max_new_tokens=2)
+    _consistent(pcm)
+
+
+def test_namespaces_never_share(llama, pcm):
+    ids = torch.tensor([list(range(3, 23))])
+    pcm.generate(ids, max_new_tokens=2, namespace="a")
+    pcm.generate(ids, max_new_tokens=2, namespace="b")
+    assert pcm.last_request_stats == (RowStats(20, 0, 5),)  # 20 + 2 - 1 = 21 tokens -> 5 blocks
+    pcm.generate(ids, max_new_tokens=2, namespace="a")
+    assert pcm.last_request_stats[0].cached_tokens == 16
+
+
+def test_batch_with_eos_pads_finished_rows_like_batched_generate(llama, pcm):
+    g = torch.Generator().manual_seed(4)
+    rows = [rand_tokens(g, 13), rand_tokens(g, 7), rand_tokens(g, 10)]
+    ids, mask = left_pad(rows)
+    free = llama.generate(ids, attention_mask=mask, max_new_tokens=6)
+    eos = int(free[0, ids.shape[1] + 1])  # row 0 stops at its second token
+    pcm.generate(torch.tensor([rows[0]]), max_new_tokens=6)  # row 0 gets a hit
+    ref = llama.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0,
+                         return_dict_in_generate=True, output_scores=True)
+    out = pcm.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0,
+                       return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert pcm.last_request_stats[0].cached_tokens == 12
+    assert len(out.scores) == len(ref.scores)
+    for t, (a, b) in enumerate(zip(out.scores, ref.scores)):
+        live = [r for r in range(3) if not (out.sequences[r, ids.shape[1]:ids.shape[1] + t] == eos).any()]
+        assert torch.allclose(a[live], b[live], atol=1e-4)
+
+
+def test_max_length_counts_the_padded_prompt(llama, pcm):
+    g = torch.Generator().manual_seed(5)
+    ids, mask = left_pad([rand_tokens(g, 12), rand_tokens(g, 5)])
+    ref = llama.generate(ids, attention_mask=mask, max_length=16, min_length=15)
+    assert torch.equal(pcm.generate(ids, attention_mask=mask, max_length=16, min_length=15), ref)
+
+
+def test_sampling_streamer_and_stopping_criteria(llama, pcm):
+    g = torch.Generator().manual_seed(6)
+    a = rand_tokens(g, 20)
+    pcm.generate(torch.tensor([a]), max_new_tokens=2)
+    ids = torch.tensor([a + rand_tokens(g, 3)])
+    torch.manual_seed(11)
+    ref = llama.generate(ids, do_sample=True, top_k=20, max_new_tokens=5)
+    torch.manual_seed(11)
+    out = pcm.generate(ids, do_sample=True, top_k=20, max_new_tokens=5)
+    assert torch.equal(out, ref)
+    assert pcm.last_request_stats[0].cached_tokens == 20
+
+    class Collect(T.generation.streamers.BaseStreamer):
+        def __init__(self):
+            self.parts, self.ended = [], False
+
+        def put(self, value):
+            self.parts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    stop = T.StoppingCriteriaList([T.MaxLengthCriteria(max_length=ids.shape[1] + 2)])
+    out = pcm.generate(ids, max_new_tokens=5, streamer=streamer, stopping_criteria=stop)
+    assert out.shape[1] == ids.shape[1] + 2
+    assert streamer.ended and sum(streamer.parts, []) == out[0].tolist()
+    _consistent(pcm)
+
+
+def test_threads_share_one_cache(llama, pcm):
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.tensor([rand_tokens(g, 12 + i)]) for i in range(4)]
+    refs = [llama.generate(p, max_new_tokens=3) for p in prompts]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(2):
+                assert torch.equal(pcm.generate(prompts[i], max_new_tokens=3), refs[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    _consistent(pcm)
+    assert pcm.cache_stats()["lookups_with_hit"] == 4
+
+
+def test_attributes_fall_through(llama, pcm):
+    assert pcm.config is llama.config and pcm.device == llama.device and pcm.model is llama
+    pcm.generate(torch.tensor([list(range(3, 20))]), max_new_tokens=2)
+    pcm.reset_cache()
+    assert pcm.cache_stats()["blocks_used"] == 0 and pcm.cache_stats()["lookups"] == 0
+
+
+def test_pool_sizing(llama):
+    by_tokens = PrefixCachedModel(llama, max_cached_tokens=100, block_size=BS)
+    assert by_tokens.cache.num_blocks == 25
+    # tiny llama: 2 layers x (K + V) x 2 kv heads x 8 dims x 4 bytes = 256 bytes per token
+    per_block = 2 * 2 * 2 * 8 * 4 * BS
+    by_bytes = PrefixCachedModel(llama, max_cached_bytes=10 * per_block + 5, block_size=BS)
+    assert by_bytes.cache.num_blocks == 10
+    assert by_bytes.pool.nbytes == 10 * per_block
+    with pytest.raises(ValueError, match="not both"):
+        PrefixCachedModel(llama, max_cached_tokens=10, max_cached_bytes=10)
+    with pytest.raises(ValueError, match="no block"):
+        PrefixCachedModel(llama, max_cached_tokens=3, block_size=BS)
+
+
+def _mamba():
+    cfg = T.MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=2)
+    torch.manual_seed(0)
+    return T.MambaForCausalLM(cfg).eval()
+
+
+def _t5():
+    cfg = T.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    return T.T5ForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("make, reason", [(_mamba, "recurrent"), (_t5, "encoder-decoder")])
+def test_unsupported_models_refused_or_passed_through(make, reason):
+    model = make()
+    with pytest.raises(UnsupportedModelError, match=reason):
+        PrefixCachedModel(model, max_cached_tokens=64)
+    pcm = PrefixCachedModel(model, max_cached_tokens=64, on_unsupported="passthrough")
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    ref = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(pcm.generate(ids, max_new_tokens=3, do_sample=False), ref)
+    assert pcm.uncached_calls == 1 and reason in pcm.last_uncached_reason
+
+
+def test_inference_mode_then_plain(llama):
+    with torch.inference_mode():
+        pcm = PrefixCachedModel(llama, max_cached_tokens=256, block_size=BS)
+        ids = torch.tensor([list(range(3, 30))])
+        pcm.generate(ids, max_new_tokens=2)
+    compare(pcm, llama, ids)  # outside inference mode: reuses pool and gather buffers made inside it
+    with torch.inference_mode():
+        compare(pcm, llama, ids)
+    assert pcm.last_request_stats[0].cached_tokens == 24

@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import PrefixCachedModel  # noqa: E402
 from engine import hf_cache  # noqa: E402
 from engine.models import load_model  # noqa: E402
+from engine.replay import TTFTStreamer  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -53,30 +53,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-class _FirstToken(BaseStreamer):
-    """Records when generate emits its first new token (its first ``put`` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.puts = 0
-        self.at: float | None = None
-
-    def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2 and self.at is None:
-            self.at = time.perf_counter()
-
-    def end(self) -> None:
-        if self.at is None:
-            self.at = time.perf_counter()
-
-
 def _timed_first_token(call) -> tuple[float, float]:
     """(time to the first new token, time of the whole call) of ``call(streamer)``."""
-    streamer = _FirstToken()
+    streamer = TTFTStreamer()
     t = time.perf_counter()
     call(streamer)
     end = time.perf_counter()
-    return streamer.at - t, end - t
+    return streamer.first - t, end - t
 
 
 def _medians(pairs: list[tuple[float, float]]) -> tuple[float, float]:

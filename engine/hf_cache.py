@@ -5,6 +5,8 @@
 * ``fresh_cache(model, prefix_kv)``: a NEW ``DynamicCache`` of full-length layers holding the prefix K/V.
   Sliding-window layers are replaced by full ``DynamicLayer``s: the attention masks are built from the model
   config's window and the token positions, so keeping every position is exact, and the pool needs full K/V.
+  Layers holding a prefix gathered with room to spare are ``InPlaceLayer``s: they append the suffix and the
+  generated tokens into that room instead of concatenating (a full copy of the prefix at every forward).
 * ``read_kv(cache, start, stop, row)``: per-layer K/V of token positions ``start:stop`` after a generate call.
 * ``probe_specs(model)``: per-layer K/V shapes, found by a one-token forward.
 * ``cache_kwarg(model)``: the keyword ``generate`` takes a cache under (``cache`` in transformers >= 5.x
@@ -73,20 +75,67 @@ def _layers_template(model) -> list:
     ]
 
 
-def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None) -> DynamicCache:
+class InPlaceLayer(DynamicLayer):
+    """A full-length ``DynamicLayer`` whose K/V are the leading slice of a larger buffer: ``update`` writes the
+    new tokens into the room after them instead of concatenating (which copies the whole prefix at every
+    forward). When the room runs out, or anything replaced the tensors (beam reorder, batch expansion), it
+    falls back to concatenation: the values are the same either way.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self._bufs = (_buffer_of(keys), _buffer_of(values))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        kb, vb = self._bufs
+        k, v = self.keys, self.values
+        n, m = k.shape[-2], key_states.shape[-2]
+        if (kb is not None and vb is not None and n + m <= min(kb.shape[2], vb.shape[2])
+                and key_states.shape[0] == 1 and _is_head_of(k, kb) and _is_head_of(v, vb)
+                and key_states.dtype == kb.dtype and value_states.dtype == vb.dtype):
+            kb[:, :, n : n + m].copy_(key_states)
+            vb[:, :, n : n + m].copy_(value_states)
+            self.keys, self.values = kb[:, :, : n + m], vb[:, :, : n + m]
+            return self.keys, self.values
+        self._bufs = (None, None)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def _buffer_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The ``[1, heads, capacity, dim]`` buffer ``t`` is the leading slice of, or None."""
+    base = t._base if t._base is not None else t
+    return base if base.dim() == 4 and base.shape[0] == 1 and base.is_contiguous() and _is_head_of(t, base) else None
+
+
+def _is_head_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``t`` is ``buf[:, :, :L]`` for some L."""
+    return (t.dim() == 4 and t.shape[0] == 1 and t.shape[1] == buf.shape[1] and t.shape[3] == buf.shape[3]
+            and t.shape[2] <= buf.shape[2] and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride())
+
+
+def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None, *,
+                append_in_place: bool = False) -> DynamicCache:
     """A NEW DynamicCache of full-length layers, holding ``prefix_kv`` (per layer, or None for empty).
 
-    The given tensors become the layers' storage (no copy): pass tensors nobody else writes to.
+    The given tensors become the layers' storage (no copy): pass tensors nobody else writes to. With
+    ``append_in_place``, where a tensor is the leading slice of a larger buffer that the caller owns
+    (``KVPool.gather(..., reserve=)`` makes them so), new tokens are written into that buffer's room
+    (``InPlaceLayer``) instead of concatenated.
     """
     cache = DynamicCache()
     cache.layers = _layers_template(model)
     if prefix_kv is not None:
-        for layer, kv in zip(cache.layers, prefix_kv):
+        for i, (layer, kv) in enumerate(zip(cache.layers, prefix_kv)):
             if kv is None or isinstance(layer, DummyLayer):
                 continue
             k, v = kv
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
+            if append_in_place and type(layer) is DynamicLayer and _buffer_of(k) is not None and _buffer_of(v) is not None:
+                cache.layers[i] = InPlaceLayer(k, v)
+            else:
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
     return cache
 
 

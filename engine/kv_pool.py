@@ -1,9 +1,9 @@
 """KVPool: preallocated K/V storage for cached blocks, on the model's device and dtype.
 
 Layout: per layer and side, one tensor ``[heads, num_blocks, block_size * head_dim]``. Gathering n blocks
-is ONE ``index_select`` on dim 1 per layer and side, written into a reusable contiguous buffer
-``[heads, n, block_size * head_dim]`` that reshapes (a view, no copy) to ``[1, heads, n * block_size,
-head_dim]`` -- exactly what a ``DynamicCache`` layer holds. (Measured: one 5-D tensor for all layers is
+is ONE ``index_select`` on dim 1 per layer and side, written into the leading ``n * block_size`` positions of
+a reusable buffer ``[1, heads, capacity, head_dim]`` -- what a ``DynamicCache`` layer holds, with room left
+for the suffix and the generated tokens to be appended in place. (Measured: one 5-D tensor for all layers is
 slower -- index_select on an inner dim of a 5-D tensor and fresh 100+ MB results that page-fault.) K and V shapes may differ (e.g. latent attention); layers without KV (shared
 or attention-free layers) are ``None`` in the spec and get ``None`` back.
 """
@@ -66,10 +66,8 @@ class KVPool:
                 torch.zeros((kh, num_blocks, block_size * kd), dtype=dtype, device=self.device),
                 torch.zeros((vh, num_blocks, block_size * vd), dtype=dtype, device=self.device),
             ))
-        # reusable gather buffers (flat, grown on demand); see gather()
-        self._scratch: list[list[torch.Tensor]] = [
-            [torch.empty(0, dtype=dtype, device=self.device)] * 2 for _ in self.specs
-        ]
+        # reusable gather buffers [1, heads, capacity, dim] per layer and side, grown on demand; see gather()
+        self._scratch: list[list[torch.Tensor | None]] = [[None, None] for _ in self.specs]
 
     @property
     def num_layers(self) -> int:
@@ -80,18 +78,35 @@ class KVPool:
         """Bytes the pool's block tensors hold (gather buffers not counted)."""
         return sum(t.numel() * t.element_size() for pair in self._layers if pair is not None for t in pair)
 
-    def gather(self, block_ids: Sequence[int]) -> list[LayerKV | None]:
+    def gather(self, block_ids: Sequence[int], reserve: int = 0) -> list[LayerKV | None]:
         """K, V of ``block_ids`` in order, per layer, each ``[1, heads, len(block_ids) * block_size, dim]``.
 
-        The results are never views of the pool: they live in this pool's gather buffers, which the NEXT
-        gather overwrites -- hand them to a cache that copies on append (``DynamicLayer`` does: ``torch.cat``),
-        or clone them. Reusing the buffers avoids page-faulting fresh memory on every call. Changes nothing
-        in the pool.
+        Each result is the leading slice of a reusable gather buffer ``[1, heads, capacity, dim]`` with room
+        for at least ``reserve`` more tokens after it, so a cache layer can append in place
+        (``hf_cache.fresh_cache`` does) instead of copying the whole prefix on every step. The NEXT gather
+        overwrites these buffers: call ``surrender_buffers()`` first if a result must outlive it. The results
+        are never views of the pool itself. Changes nothing in the pool.
         """
         with _plain_tensors():
-            return self._gather(block_ids)
+            return self._gather(block_ids, max(0, int(reserve)))
 
-    def _gather(self, block_ids: Sequence[int]) -> list[LayerKV | None]:
+    def surrender_buffers(self) -> None:
+        """Forget the gather buffers (they now belong to whoever holds the last results); the next gather
+        allocates new ones."""
+        self._scratch = [[None, None] for _ in self.specs]
+
+    def _buffer(self, layer: int, side: int, heads: int, dim: int, tokens: int) -> torch.Tensor:
+        """The gather buffer ``[1, heads, capacity, dim]`` of a layer side, grown to hold ``tokens``."""
+        buf = self._scratch[layer][side]
+        if buf is None or buf.shape[2] < tokens:
+            old = 0 if buf is None else buf.shape[2]
+            cap = max(tokens, old + old // 2)
+            cap = -(-cap // self.block_size) * self.block_size
+            buf = torch.empty((1, heads, cap, dim), dtype=self.dtype, device=self.device)
+            self._scratch[layer][side] = buf
+        return buf
+
+    def _gather(self, block_ids: Sequence[int], reserve: int) -> list[LayerKV | None]:
         out: list[LayerKV | None] = [None] * len(self.specs)
         n = len(block_ids)
         if n == 0:
@@ -104,14 +119,11 @@ class KVPool:
             sides = []
             for side, src in enumerate(pair):
                 heads, _, width = src.shape
-                need = heads * n * width
-                buf = self._scratch[layer][side]
-                if buf.numel() < need:
-                    buf = torch.empty(need, dtype=self.dtype, device=self.device)
-                    self._scratch[layer][side] = buf
-                dst = buf[:need].view(heads, n, width)
-                torch.index_select(src, 1, idx, out=dst)
-                sides.append(dst.view(1, heads, t, width // self.block_size))
+                dim = width // self.block_size
+                view = self._buffer(layer, side, heads, dim, t + reserve)[:, :, :t]
+                # [heads, t, dim] with a head stride of capacity*dim is also [heads, n, block_size*dim]
+                torch.index_select(src, 1, idx, out=view[0].view(heads, n, width))
+                sides.append(view)
             out[layer] = (sides[0], sides[1])
         return out
 

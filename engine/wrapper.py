@@ -265,7 +265,7 @@ class PrefixCachedModel:
         else:
             pads = (attention_mask.shape[1] - attention_mask.to(torch.long).sum(dim=1)).tolist()
         if batch == 1 and pads[0] == 0:  # one unpadded row: the model's own output, as is
-            out, stats = self._run_row(input_ids[0], namespace, kwargs)
+            out, stats = self._run_row(input_ids[0], namespace, kwargs, gc)
             self.last_request_stats = (stats,)
             return out
         outs, stats = [], []
@@ -276,22 +276,27 @@ class PrefixCachedModel:
                     row_kwargs["max_length"] = gc.max_length - pads[r]
                 if gc.min_length:
                     row_kwargs["min_length"] = max(0, gc.min_length - pads[r])
-            out, st = self._run_row(input_ids[r, pads[r]:], namespace, row_kwargs)
+            out, st = self._run_row(input_ids[r, pads[r]:], namespace, row_kwargs, gc)
             outs.append(out)
             stats.append(st)
         self.last_request_stats = tuple(stats)
         return _assemble(outs, input_ids, pads, _pad_id(gc))
 
-    def _run_row(self, tokens: torch.Tensor, namespace: str, kwargs: dict):
+    def _run_row(self, tokens: torch.Tensor, namespace: str, kwargs: dict, gc):
         """Generate for one unpadded row, serving its prefix from the cache; commit its new full blocks."""
         m = self.cache.match(tokens.detach().cpu(), namespace)
         alive = True
         try:
-            prefix = self.pool.gather(m.block_ids) if m.block_ids else None
-            cache = hf_cache.fresh_cache(self.model, prefix)
+            prefix = None
+            if m.block_ids:  # gather with room for the suffix and the output: they are appended in place
+                reserve = len(tokens) - m.cached_tokens + self._new_tokens_bound(gc, kwargs, len(tokens))
+                prefix = self.pool.gather(m.block_ids, reserve=reserve)
+            cache = hf_cache.fresh_cache(self.model, prefix, append_in_place=True)
             ids = tokens.unsqueeze(0)
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                       **{self._cache_kwarg: cache}, **kwargs)
+            if not isinstance(out, torch.Tensor) and any(v is cache for v in out.values()):
+                self.pool.surrender_buffers()  # the caller now holds the cache, which lives in them
             seqs = out if isinstance(out, torch.Tensor) else out.sequences
             kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
             inserted = 0
@@ -312,6 +317,16 @@ class PrefixCachedModel:
         finally:
             if alive:
                 self.cache.release(m.handle)
+
+
+    def _new_tokens_bound(self, gc, kwargs: dict, prompt_len: int) -> int:
+        """Tokens generate may append after the prompt, as far as worth reserving room for."""
+        if gc.max_new_tokens is not None:
+            new = gc.max_new_tokens
+        else:
+            new = (kwargs.get("max_length") or gc.max_length or 0) - prompt_len
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 8192
+        return max(0, min(int(new), int(limit)))
 
 
 def _fingerprint(model) -> str:

@@ -58,3 +58,42 @@ def test_pool_converts_dtype():
     pool.scatter([1], [(k, v)])
     got = pool.gather([1])[0]
     assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], k.to(torch.bfloat16))
+
+
+def test_gather_reserves_room_and_reuses_its_buffers():
+    specs = [LayerSpec((2, 4), (2, 3))]
+    bs = 2
+    pool = KVPool(specs, num_blocks=6, block_size=bs, dtype=torch.float32, device="cpu")
+    data = [_kv(specs[0], 4 * bs, 1)]
+    pool.scatter([3, 0, 5, 1], data)
+    k, v = pool.gather([3, 0], reserve=7)[0]
+    assert torch.equal(k, data[0][0][:, :, : 2 * bs]) and torch.equal(v, data[0][1][:, :, : 2 * bs])
+    for t in (k, v):  # a leading slice of a [1, heads, capacity, dim] buffer with room for 7 more tokens
+        assert t._base is not None and t._base.shape[2] >= 2 * bs + 7 and t.data_ptr() == t._base.data_ptr()
+    k2, _ = pool.gather([5, 1])[0]
+    assert k2.data_ptr() == k.data_ptr()  # the same buffer, overwritten by the next gather
+    assert torch.equal(k2, data[0][0][:, :, 2 * bs :])
+    pool.surrender_buffers()
+    k3, _ = pool.gather([3])[0]
+    assert k3.data_ptr() != k2.data_ptr()  # surrendered buffers are never written again
+    assert torch.equal(k2, data[0][0][:, :, 2 * bs :])
+
+
+def test_in_place_layer_matches_concatenation_and_falls_back_when_full():
+    from engine.hf_cache import InPlaceLayer
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+    buf_k, buf_v = torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 3)
+    pre_k, pre_v = torch.randn(1, 2, 4, 4, generator=g), torch.randn(1, 2, 4, 3, generator=g)
+    buf_k[:, :, :4], buf_v[:, :, :4] = pre_k, pre_v
+    layer = InPlaceLayer(buf_k[:, :, :4], buf_v[:, :, :4])
+    ref = DynamicLayer()
+    ref.update(pre_k, pre_v)
+    for step, m in enumerate((3, 2, 1, 4)):  # 4 + 3 + 2 + 1 = 10 fits; the last 4 do not
+        k, v = torch.randn(1, 2, m, 4, generator=g), torch.randn(1, 2, m, 3, generator=g)
+        got_k, got_v = layer.update(k, v)
+        want_k, want_v = ref.update(k, v)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        assert (got_k.data_ptr() == buf_k.data_ptr()) == (step < 3)
+    assert layer.get_seq_length() == 14

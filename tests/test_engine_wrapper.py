@@ -238,3 +238,24 @@ def test_inference_mode_then_plain(llama):
     with torch.inference_mode():
         compare(pcm, llama, ids)
     assert pcm.last_request_stats[0].cached_tokens == 24
+
+
+def test_returned_cache_is_not_overwritten_by_later_calls(llama, pcm):
+    """Hits append into reusable gather buffers; a cache handed back to the caller must keep its values."""
+    g = torch.Generator().manual_seed(7)
+    shared = rand_tokens(g, 3 * BS)
+    a = torch.tensor([shared + rand_tokens(g, 5)])
+    pcm.generate(a, max_new_tokens=2)  # warm: the shared blocks are cached
+    out = pcm.generate(a, max_new_tokens=3, return_dict_in_generate=True)
+    held = out.cache if "cache" in out else out.past_key_values
+    assert pcm.last_request_stats[0].cached_tokens > 0
+    snapshot = [(layer.keys.clone(), layer.values.clone()) for layer in held.layers]
+    ref = llama.generate(a, max_new_tokens=3, return_dict_in_generate=True)
+    ref_cache = ref.cache if "cache" in ref else ref.past_key_values
+    for (k, v), layer in zip(snapshot, ref_cache.layers):  # the held cache is the model's own KV
+        assert torch.allclose(k, layer.keys, atol=1e-5) and torch.allclose(v, layer.values, atol=1e-5)
+    for _ in range(2):  # later, smaller hits on the same prefix gather into the same room and append there
+        pcm.generate(torch.tensor([shared + rand_tokens(g, 2)]), max_new_tokens=2)
+    for (k, v), layer in zip(snapshot, held.layers):
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+    _consistent(pcm)

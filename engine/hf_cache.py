@@ -5,8 +5,9 @@
 * ``fresh_cache(model, prefix_kv)``: a NEW ``DynamicCache`` of full-length layers holding the prefix K/V.
   Sliding-window layers are replaced by full ``DynamicLayer``s: the attention masks are built from the model
   config's window and the token positions, so keeping every position is exact, and the pool needs full K/V.
-  Layers holding a prefix gathered with room to spare are ``InPlaceLayer``s: they append the suffix and the
-  generated tokens into that room instead of concatenating (a full copy of the prefix at every forward).
+* ``buffer_cache(model, buffers, length)``: the same over preallocated buffers with room to spare
+  (``InPlaceLayer``s): new tokens are written into that room instead of concatenated (a full copy of the
+  prefix at every forward).
 * ``read_kv(cache, start, stop, row)``: per-layer K/V of token positions ``start:stop`` after a generate call.
 * ``probe_specs(model)``: per-layer K/V shapes, found by a one-token forward.
 * ``cache_kwarg(model)``: the keyword ``generate`` takes a cache under (``cache`` in transformers >= 5.x
@@ -39,6 +40,12 @@ def cache_kwarg(model) -> str:
     """Name of the keyword under which ``model.generate`` takes a ready cache."""
     params = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def last_logits_only(model) -> dict:
+    """Keyword arguments that make a forward compute logits for the last position only, if it can."""
+    params = inspect.signature(type(model).forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
 def unsupported_reason(model) -> str | None:
@@ -76,66 +83,77 @@ def _layers_template(model) -> list:
 
 
 class InPlaceLayer(DynamicLayer):
-    """A full-length ``DynamicLayer`` whose K/V are the leading slice of a larger buffer: ``update`` writes the
-    new tokens into the room after them instead of concatenating (which copies the whole prefix at every
-    forward). When the room runs out, or anything replaced the tensors (beam reorder, batch expansion), it
-    falls back to concatenation: the values are the same either way.
+    """A full-length ``DynamicLayer`` whose K/V are the leading ``length`` positions of larger buffers
+    ``[batch, heads, capacity, dim]``: ``update`` writes new tokens into the room after them instead of
+    concatenating (which copies the whole prefix at every forward). When the room runs out, or something
+    replaced the tensors (beam reorder, batch expansion), it falls back to concatenation: same values.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
         super().__init__()
-        self.lazy_initialization(keys, values)
-        self.keys, self.values = keys, values
-        self._bufs = (_buffer_of(keys), _buffer_of(values))
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = (key_buffer, value_buffer)
+        self.lazy_initialization(key_buffer, value_buffer)
+        self._set(length)
+
+    def _set(self, length: int) -> None:
+        kb, vb = self._bufs  # type: ignore[misc]
+        self.keys, self.values = kb[:, :, :length], vb[:, :, :length]
+        self._views = (self.keys, self.values)  # what we handed out; anything else means someone replaced them
+
+    @property
+    def in_place(self) -> bool:
+        """Whether keys/values still live in the buffers."""
+        return self._bufs is not None and self.keys is self._views[0] and self.values is self._views[1]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        kb, vb = self._bufs
-        k, v = self.keys, self.values
-        n, m = k.shape[-2], key_states.shape[-2]
-        if (kb is not None and vb is not None and n + m <= min(kb.shape[2], vb.shape[2])
-                and key_states.shape[0] == 1 and _is_head_of(k, kb) and _is_head_of(v, vb)
-                and key_states.dtype == kb.dtype and value_states.dtype == vb.dtype):
-            kb[:, :, n : n + m].copy_(key_states)
-            vb[:, :, n : n + m].copy_(value_states)
-            self.keys, self.values = kb[:, :, : n + m], vb[:, :, : n + m]
-            return self.keys, self.values
-        self._bufs = (None, None)
+        if self.in_place:
+            kb, vb = self._bufs  # type: ignore[misc]
+            n, m = self.keys.shape[-2], key_states.shape[-2]
+            if (n + m <= min(kb.shape[2], vb.shape[2]) and key_states.shape[0] == kb.shape[0]
+                    and key_states.dtype == kb.dtype and value_states.dtype == vb.dtype):
+                kb[:, :, n : n + m].copy_(key_states)
+                vb[:, :, n : n + m].copy_(value_states)
+                self._set(n + m)
+                return self.keys, self.values
+        self._bufs = None
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-def _buffer_of(t: torch.Tensor) -> torch.Tensor | None:
-    """The ``[1, heads, capacity, dim]`` buffer ``t`` is the leading slice of, or None."""
-    base = t._base if t._base is not None else t
-    return base if base.dim() == 4 and base.shape[0] == 1 and base.is_contiguous() and _is_head_of(t, base) else None
+def buffer_cache(model, buffers: Sequence[LayerKV | None], length: int) -> DynamicCache:
+    """A NEW DynamicCache whose attention layers are ``InPlaceLayer``s over ``buffers`` (per layer K and V
+    ``[batch, heads, capacity, dim]``, e.g. ``KVPool.buffers``), holding their first ``length`` positions."""
+    cache = DynamicCache()
+    cache.layers = _layers_template(model)
+    for i, (layer, bufs) in enumerate(zip(cache.layers, buffers)):
+        if bufs is not None and not isinstance(layer, DummyLayer):
+            cache.layers[i] = InPlaceLayer(bufs[0], bufs[1], length)
+    return cache
 
 
-def _is_head_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether ``t`` is ``buf[:, :, :L]`` for some L."""
-    return (t.dim() == 4 and t.shape[0] == 1 and t.shape[1] == buf.shape[1] and t.shape[3] == buf.shape[3]
-            and t.shape[2] <= buf.shape[2] and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride())
+def settle(cache: DynamicCache, buffers: Sequence[LayerKV | None], length: int) -> None:
+    """Make sure the first ``length`` positions of every layer live in ``buffers`` (copying them there from a
+    layer that had to fall back to concatenation). Changes only ``buffers``."""
+    for layer, bufs in zip(cache.layers, buffers):
+        if bufs is None or (isinstance(layer, InPlaceLayer) and layer.in_place):
+            continue
+        bufs[0][:, :, :length].copy_(layer.keys[:, :, :length])
+        bufs[1][:, :, :length].copy_(layer.values[:, :, :length])
 
 
-def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None, *,
-                append_in_place: bool = False) -> DynamicCache:
+def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None) -> DynamicCache:
     """A NEW DynamicCache of full-length layers, holding ``prefix_kv`` (per layer, or None for empty).
 
-    The given tensors become the layers' storage (no copy): pass tensors nobody else writes to. With
-    ``append_in_place``, where a tensor is the leading slice of a larger buffer that the caller owns
-    (``KVPool.gather(..., reserve=)`` makes them so), new tokens are written into that buffer's room
-    (``InPlaceLayer``) instead of concatenated.
+    The given tensors become the layers' storage (no copy): pass tensors nobody else writes to.
     """
     cache = DynamicCache()
     cache.layers = _layers_template(model)
     if prefix_kv is not None:
-        for i, (layer, kv) in enumerate(zip(cache.layers, prefix_kv)):
+        for layer, kv in zip(cache.layers, prefix_kv):
             if kv is None or isinstance(layer, DummyLayer):
                 continue
             k, v = kv
-            if append_in_place and type(layer) is DynamicLayer and _buffer_of(k) is not None and _buffer_of(v) is not None:
-                cache.layers[i] = InPlaceLayer(k, v)
-            else:
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
     return cache
 
 

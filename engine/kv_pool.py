@@ -81,51 +81,64 @@ class KVPool:
     def gather(self, block_ids: Sequence[int], reserve: int = 0) -> list[LayerKV | None]:
         """K, V of ``block_ids`` in order, per layer, each ``[1, heads, len(block_ids) * block_size, dim]``.
 
-        Each result is the leading slice of a reusable gather buffer ``[1, heads, capacity, dim]`` with room
-        for at least ``reserve`` more tokens after it, so a cache layer can append in place
-        (``hf_cache.fresh_cache`` does) instead of copying the whole prefix on every step. The NEXT gather
-        overwrites these buffers: call ``surrender_buffers()`` first if a result must outlive it. The results
-        are never views of the pool itself. Changes nothing in the pool.
+        Each result is the leading slice of a gather buffer ``[1, heads, capacity, dim]`` (see ``buffers``)
+        with room for at least ``reserve`` more tokens. Changes nothing in the pool.
+        """
+        t = len(block_ids) * self.block_size
+        if t == 0:
+            return [None] * len(self.specs)
+        bufs = self.buffers(1, t + max(0, int(reserve)))
+        out: list[LayerKV | None] = [None if b is None else (b[0][:, :, :t], b[1][:, :, :t]) for b in bufs]
+        self.gather_into(block_ids, [None if kv is None else (kv[0][0], kv[1][0]) for kv in out])
+        return out
+
+    def buffers(self, batch: int, tokens: int) -> list[LayerKV | None]:
+        """Per layer, reusable K and V buffers ``[batch, heads, capacity >= tokens, dim]`` (contents undefined).
+
+        The same memory comes back from later calls (touching fresh memory on every request costs more than
+        the copy itself): call ``surrender_buffers()`` before handing anything that lives in them to a caller.
         """
         with _plain_tensors():
-            return self._gather(block_ids, max(0, int(reserve)))
+            out: list[LayerKV | None] = []
+            for layer, spec in enumerate(self.specs):
+                if spec is None:
+                    out.append(None)
+                    continue
+                out.append(tuple(self._buffer(layer, side, *shape, batch, tokens)  # type: ignore[misc]
+                                 for side, shape in enumerate((spec.k_shape, spec.v_shape))))
+            return out
 
     def surrender_buffers(self) -> None:
-        """Forget the gather buffers (they now belong to whoever holds the last results); the next gather
-        allocates new ones."""
+        """Forget the gather buffers (they now belong to whoever holds their contents); later calls allocate
+        new ones."""
         self._scratch = [[None, None] for _ in self.specs]
 
-    def _buffer(self, layer: int, side: int, heads: int, dim: int, tokens: int) -> torch.Tensor:
-        """The gather buffer ``[1, heads, capacity, dim]`` of a layer side, grown to hold ``tokens``."""
+    def _buffer(self, layer: int, side: int, heads: int, dim: int, batch: int, tokens: int) -> torch.Tensor:
         buf = self._scratch[layer][side]
-        if buf is None or buf.shape[2] < tokens:
-            old = 0 if buf is None else buf.shape[2]
-            cap = max(tokens, old + old // 2)
+        old_batch, old_cap = (0, 0) if buf is None else (buf.shape[0], buf.shape[2])
+        if batch > old_batch or tokens > old_cap:
+            cap = old_cap if tokens <= old_cap else max(tokens, old_cap + old_cap // 2)  # grow by >= 1.5x
             cap = -(-cap // self.block_size) * self.block_size
-            buf = torch.empty((1, heads, cap, dim), dtype=self.dtype, device=self.device)
+            buf = torch.empty((max(batch, old_batch), heads, cap, dim), dtype=self.dtype, device=self.device)
             self._scratch[layer][side] = buf
-        return buf
+        return buf[:batch]
 
-    def _gather(self, block_ids: Sequence[int], reserve: int) -> list[LayerKV | None]:
-        out: list[LayerKV | None] = [None] * len(self.specs)
+    def gather_into(self, block_ids: Sequence[int], dst: Sequence[LayerKV | None]) -> None:
+        """Copy the K, V of ``block_ids`` into ``dst`` (per layer, ``[heads, n * block_size, dim]`` tensors whose
+        last two dims are contiguous, e.g. a row slice of a ``buffers`` result). ONE index_select per layer and
+        side. Changes only ``dst``."""
         n = len(block_ids)
         if n == 0:
-            return out
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        t = n * self.block_size
-        for layer, pair in enumerate(self._layers):
-            if pair is None:
-                continue
-            sides = []
-            for side, src in enumerate(pair):
-                heads, _, width = src.shape
-                dim = width // self.block_size
-                view = self._buffer(layer, side, heads, dim, t + reserve)[:, :, :t]
-                # [heads, t, dim] with a head stride of capacity*dim is also [heads, n, block_size*dim]
-                torch.index_select(src, 1, idx, out=view[0].view(heads, n, width))
-                sides.append(view)
-            out[layer] = (sides[0], sides[1])
-        return out
+            return
+        with _plain_tensors():
+            idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+            for layer, pair in enumerate(self._layers):
+                if pair is None:
+                    continue
+                for src, out in zip(pair, dst[layer]):  # type: ignore[index]
+                    heads, _, width = src.shape
+                    # [heads, n * bs, dim] with contiguous (token, dim) is also [heads, n, bs * dim]
+                    torch.index_select(src, 1, idx, out=out.view(heads, n, width))
 
     def scatter(self, block_ids: Sequence[int], kv: Sequence[LayerKV | None]) -> None:
         """Write per-layer K, V (``[1, heads, len(block_ids) * block_size, dim]``) into ``block_ids``.

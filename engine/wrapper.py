@@ -1,14 +1,12 @@
 """PrefixCachedModel: a drop-in wrapper whose ``generate`` serves prompt prefixes from a KV block cache.
 
-One row's life: tokens -> ``PrefixCache.match`` (namespace = model fingerprint + the caller's namespace) ->
-gather the matched blocks from the ``KVPool`` into a FRESH cache -> ``model.generate`` on the full ids with that
-cache (only the unmatched suffix is prefilled) -> ``commit`` the full blocks of prompt + generated tokens and
-scatter their K/V into the pool -> ``release`` (always, in a ``finally``).
-
-Batches: every row is run on its own (left padding stripped, each row served from its own cached prefix) and the
-outputs are re-assembled as batched ``generate`` lays them out: the row's left padding, then its tokens, then
-``pad_token_id`` after a row finished. ``scores``/``logits`` of a row at steps after it finished (batched
-``generate`` computes throwaway values there) are ``-inf`` except 0 at ``pad_token_id``.
+One call: every row's tokens (left padding stripped) -> ``PrefixCache.match`` (namespace = model fingerprint +
+the caller's namespace) -> its cached blocks gathered from the ``KVPool`` into row r of a batch buffer, at its
+padded position -> (batches) each row's uncached suffix prefilled on its own into the same buffer -> ONE
+``model.generate`` on the original ids over a cache of those buffers, so the prompts' last tokens and all
+decoding run batched, exactly as on the bare model, with new tokens written into the buffers' room instead of
+concatenated -> ``commit`` each output row's full blocks (prompt + generated up to its first EOS) and scatter
+their K/V into the pool -> ``release`` (always, in a ``finally``).
 
 Anything that cannot be served exactly from a cached prefix runs uncached (plain ``model.generate``): beam
 search and other non greedy/sampling modes, ``use_cache=False``, ``inputs_embeds``, ``output_attentions`` /
@@ -21,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,6 +79,7 @@ class PrefixCachedModel:
             )
         self.fingerprint = _fingerprint(model)
         self._cache_kwarg = hf_cache.cache_kwarg(model)
+        self._logits_kwargs = hf_cache.last_logits_only(model)
         if self.unsupported_reason is not None:  # passthrough: a 1-block core keeps the API usable
             self.pool = None
             self.cache = PrefixCache(CacheConfig(num_blocks=1, block_size=block_size, eviction=eviction))
@@ -253,8 +252,14 @@ class PrefixCachedModel:
         return gc, None
 
     def _generate_cached(self, input_ids: torch.Tensor, attention_mask, gc, namespace: str, kwargs: dict):
+        """One batched ``model.generate`` over a cache in which every row's prompt but its last token is ready.
+
+        Each row (left padding stripped) gets its own cached prefix, gathered into row r of a batch buffer at
+        its padded position; a batch of one lets ``generate`` prefill the rest, a larger batch prefills each
+        row's uncached suffix separately first (rows hit different lengths), so that ``generate`` runs the
+        prompts' last tokens and all decoding batched, exactly as on the bare model.
+        """
         batch, width = input_ids.shape
-        pads = [0] * batch
         if attention_mask is None:
             pad_id = gc.pad_token_id
             if pad_id is not None and bool((input_ids == pad_id).any()):
@@ -262,62 +267,86 @@ class PrefixCachedModel:
                 self.last_uncached_reason = "pad tokens in input_ids without attention_mask"
                 self.last_request_stats = ()
                 return self.model.generate(input_ids=input_ids, **kwargs)
+            pads = [0] * batch
         else:
-            pads = (attention_mask.shape[1] - attention_mask.to(torch.long).sum(dim=1)).tolist()
-        if batch == 1 and pads[0] == 0:  # one unpadded row: the model's own output, as is
-            out, stats = self._run_row(input_ids[0], namespace, kwargs, gc)
-            self.last_request_stats = (stats,)
-            return out
-        outs, stats = [], []
-        for r in range(batch):
-            row_kwargs = dict(kwargs)
-            if pads[r]:  # lengths that count the padded prompt
-                if gc.max_new_tokens is None and gc.max_length is not None:
-                    row_kwargs["max_length"] = gc.max_length - pads[r]
-                if gc.min_length:
-                    row_kwargs["min_length"] = max(0, gc.min_length - pads[r])
-            out, st = self._run_row(input_ids[r, pads[r]:], namespace, row_kwargs, gc)
-            outs.append(out)
-            stats.append(st)
-        self.last_request_stats = tuple(stats)
-        return _assemble(outs, input_ids, pads, _pad_id(gc))
-
-    def _run_row(self, tokens: torch.Tensor, namespace: str, kwargs: dict, gc):
-        """Generate for one unpadded row, serving its prefix from the cache; commit its new full blocks."""
-        m = self.cache.match(tokens.detach().cpu(), namespace)
+            pads = (width - attention_mask.to(torch.long).sum(dim=1)).tolist()
+        rows = [input_ids[r, pads[r]:] for r in range(batch)]
+        handles = []
         alive = True
         try:
-            prefix = None
-            if m.block_ids:  # gather with room for the suffix and the output: they are appended in place
-                reserve = len(tokens) - m.cached_tokens + self._new_tokens_bound(gc, kwargs, len(tokens))
-                prefix = self.pool.gather(m.block_ids, reserve=reserve)
-            cache = hf_cache.fresh_cache(self.model, prefix, append_in_place=True)
-            ids = tokens.unsqueeze(0)
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      **{self._cache_kwarg: cache}, **kwargs)
+            matches = []
+            for row in rows:
+                matches.append(self.cache.match(row.detach().cpu(), namespace))
+                handles.append(matches[-1].handle)
+            ready = matches[0].cached_tokens if batch == 1 else width - 1
+            bufs = self.pool.buffers(batch, width + self._new_tokens_bound(gc, kwargs, width))
+            for r, m in enumerate(matches):
+                self._prepare_row(bufs, r, pads[r], rows[r], m, ready)
+            cache = hf_cache.buffer_cache(self.model, bufs, ready)
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, **{self._cache_kwarg: cache}, **kwargs)
             if not isinstance(out, torch.Tensor) and any(v is cache for v in out.values()):
                 self.pool.surrender_buffers()  # the caller now holds the cache, which lives in them
-            seqs = out if isinstance(out, torch.Tensor) else out.sequences
-            kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
-            inserted = 0
             try:
-                for j in range(seqs.shape[0]):  # num_return_sequences rows share the prompt blocks
-                    r = self.cache.commit(m.handle, seqs[j, :kv_len].detach().cpu())
-                    if r.block_ids:
-                        start = r.first_block * self.block_size
-                        stop = start + len(r.block_ids) * self.block_size
-                        self.pool.scatter(r.block_ids, hf_cache.read_kv(cache, start, stop, row=j))
-                        inserted += len(r.block_ids)
+                inserted = self._commit_outputs(out, cache, matches, pads, width, gc)
             except BaseException:
                 # blocks may be in the tree without their KV: drop everything rather than ever serve them
                 alive = False
                 self.cache.reset()
                 raise
-            return out, RowStats(len(tokens), m.cached_tokens, inserted)
+            self.last_request_stats = tuple(
+                RowStats(len(row), m.cached_tokens, n) for row, m, n in zip(rows, matches, inserted))
+            return out
         finally:
             if alive:
-                self.cache.release(m.handle)
+                for h in handles:
+                    self.cache.release(h)
 
+    def _prepare_row(self, bufs, r: int, pad: int, tokens: torch.Tensor, m, ready: int) -> None:
+        """Fill row ``r`` of the batch buffers up to padded position ``ready``: zeros over the padding, the
+        cached prefix gathered from the pool, then (batches) the uncached suffix computed by the model."""
+        cached = m.cached_tokens
+        for kv in bufs:
+            if kv is not None:
+                kv[0][r, :, :pad].zero_()  # masked out, but must be finite
+                kv[1][r, :, :pad].zero_()
+        if cached:
+            self.pool.gather_into(m.block_ids, [None if kv is None else (kv[0][r, :, pad : pad + cached],
+                                                                         kv[1][r, :, pad : pad + cached])
+                                                for kv in bufs])
+        todo = ready - pad - cached
+        if todo <= 0:
+            return
+        row_bufs = [None if kv is None else (kv[0][r : r + 1, :, pad:], kv[1][r : r + 1, :, pad:]) for kv in bufs]
+        row_cache = hf_cache.buffer_cache(self.model, row_bufs, cached)
+        ids = tokens[cached : cached + todo].unsqueeze(0)
+        with torch.no_grad():
+            self.model(input_ids=ids, attention_mask=torch.ones((1, cached + todo), dtype=torch.long, device=ids.device),
+                       use_cache=True, **{self._cache_kwarg: row_cache}, **self._logits_kwargs)
+        hf_cache.settle(row_cache, row_bufs, cached + todo)
+
+    def _commit_outputs(self, out, cache, matches, pads: list[int], width: int, gc) -> list[int]:
+        """Commit every output row's full blocks (prompt + generated up to its first EOS) and scatter their
+        K/V; returns the blocks inserted per input row."""
+        seqs = out if isinstance(out, torch.Tensor) else out.sequences
+        kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
+        per_input = seqs.shape[0] // len(matches)  # num_return_sequences rows follow their input row
+        eos = _eos_ids(gc)
+        inserted = [0] * len(matches)
+        for i in range(seqs.shape[0]):
+            r = i // per_input
+            stop = kv_len
+            if eos is not None and kv_len > width:
+                hit = torch.isin(seqs[i, width:kv_len], eos).nonzero()
+                if len(hit):
+                    stop = width + int(hit[0]) + 1
+            res = self.cache.commit(matches[r].handle, seqs[i, pads[r] : stop].detach().cpu())
+            if res.block_ids:
+                start = pads[r] + res.first_block * self.block_size
+                end = start + len(res.block_ids) * self.block_size
+                self.pool.scatter(res.block_ids, hf_cache.read_kv(cache, start, end, row=i))
+                inserted[r] += len(res.block_ids)
+        return inserted
 
     def _new_tokens_bound(self, gc, kwargs: dict, prompt_len: int) -> int:
         """Tokens generate may append after the prompt, as far as worth reserving room for."""
@@ -338,55 +367,10 @@ def _fingerprint(model) -> str:
     return xxhash.xxh3_64_hexdigest(f"{type(model).__name__}|{model.dtype}|{cfg}".encode())
 
 
-def _pad_id(gc) -> int:
-    if gc.pad_token_id is not None:
-        return int(gc.pad_token_id)
+def _eos_ids(gc) -> torch.Tensor | None:
+    """The generation config's EOS ids as a tensor, or None."""
     eos = gc.eos_token_id
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    if isinstance(eos, torch.Tensor):
-        eos = eos.flatten()[0].item() if eos.numel() else None
-    return int(eos) if eos is not None else 0
-
-
-def _assemble(outs: list, input_ids: torch.Tensor, pads: list[int], pad_id: int):
-    """Lay per-row outputs out as one batched ``generate`` call would."""
-    width = input_ids.shape[1]
-    seqs = [o if isinstance(o, torch.Tensor) else o.sequences for o in outs]
-    gen = [s.shape[1] - (width - p) for s, p in zip(seqs, pads)]
-    total = width + max(gen)
-    rows = []
-    for r, s in enumerate(seqs):
-        n = s.shape[0]
-        row = torch.full((n, total), pad_id, dtype=s.dtype, device=s.device)
-        row[:, : pads[r]] = input_ids[r, : pads[r]]
-        row[:, pads[r] : pads[r] + s.shape[1]] = s
-        rows.append(row)
-    sequences = torch.cat(rows, dim=0)
-    first = outs[0]
-    if isinstance(first, torch.Tensor):
-        return sequences
-    values = {"sequences": sequences}
-    for name in ("scores", "logits"):
-        per_row = [getattr(o, name, None) for o in outs]
-        if any(p is None for p in per_row):
-            continue
-        steps = []
-        for t in range(max(gen)):
-            parts = []
-            for r, p in enumerate(per_row):
-                if t < len(p):
-                    parts.append(p[t])
-                else:
-                    like = p[0]
-                    filler = torch.full_like(like, float("-inf"))
-                    filler[:, pad_id] = 0.0
-                    parts.append(filler)
-            steps.append(torch.cat(parts, dim=0))
-        values[name] = tuple(steps)
-    kept = {f.name: getattr(first, f.name) for f in fields(first)}
-    for name in kept:
-        if name not in values:
-            kept[name] = None  # caches, attentions: per-row objects that do not batch
-    kept.update(values)
-    return type(first)(**kept)
+    if eos is None:
+        return None
+    eos = torch.as_tensor(eos).flatten()
+    return eos if eos.numel() else None

@@ -87,7 +87,7 @@ def test_in_place_layer_matches_concatenation_and_falls_back_when_full():
     buf_k, buf_v = torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 3)
     pre_k, pre_v = torch.randn(1, 2, 4, 4, generator=g), torch.randn(1, 2, 4, 3, generator=g)
     buf_k[:, :, :4], buf_v[:, :, :4] = pre_k, pre_v
-    layer = InPlaceLayer(buf_k[:, :, :4], buf_v[:, :, :4])
+    layer = InPlaceLayer(buf_k, buf_v, 4)
     ref = DynamicLayer()
     ref.update(pre_k, pre_v)
     for step, m in enumerate((3, 2, 1, 4)):  # 4 + 3 + 2 + 1 = 10 fits; the last 4 do not

@@ -259,3 +259,20 @@ def test_returned_cache_is_not_overwritten_by_later_calls(llama, pcm):
     for (k, v), layer in zip(snapshot, held.layers):
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
     _consistent(pcm)
+
+
+def test_finished_rows_are_cached_up_to_their_eos_only(llama, pcm):
+    g = torch.Generator().manual_seed(11)
+    rows = [rand_tokens(g, 13), rand_tokens(g, 9)]
+    ids, mask = left_pad(rows)
+    free = llama.generate(ids, attention_mask=mask, max_new_tokens=8)
+    first, eos = int(free[0, ids.shape[1]]), int(free[0, ids.shape[1] + 1])  # row 0 stops at its 2nd token
+    assert eos != first and eos not in rows[0]
+    out = pcm.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+    ref = llama.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+    # row 0 holds prompt + [first, eos] + pads: only its 15 real tokens (3 full blocks) were cached
+    padded = rows[0] + [first, eos] + [0] * 8
+    assert pcm.probe(torch.tensor(padded)) == (15 // BS) * BS
+    assert pcm.probe(torch.tensor(rows[0] + [first, eos, 5])) == (15 // BS) * BS
+    _consistent(pcm)

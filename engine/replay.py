@@ -99,7 +99,7 @@ def _estimate_unlimited(scenario: Scenario, renderer: HFRenderer, block_size: in
 
 
 def replay(scenario: Scenario, capacities: list[Capacity], *, model: str = "tiny", block_size: int = 16,
-           warmup: float = 0.0, baseline: bool = True, dtype: Any = None, device: Any = None, seed: int = 0,
+           eviction: str = "lru", warmup: float = 0.0, baseline: bool = True, dtype: Any = None, device: Any = None, seed: int = 0,
            loaded: tuple[Any, Any] | None = None, on_start: Callable[[Capacity, int], None] | None = None,
            on_row: Callable[[Row, Any], None] | None = None) -> tuple[list[RunResult], dict]:
     """Replay ``scenario`` once per capacity through ``model`` (preset or local path; or ``loaded`` =
@@ -135,7 +135,8 @@ def replay(scenario: Scenario, capacities: list[Capacity], *, model: str = "tiny
         assert nb is not None
         if on_start is not None:
             on_start(cap, len(scenario))
-        pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size)
+        pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size,
+                                eviction=eviction)
         res = _replay_one(scenario, pcm, hf_model, tokenizer, renderer, gen, nb, block_size, warmup, baseline,
                           max_pos, vocab, cap.blocks is None, on_row)
         results.append(res)

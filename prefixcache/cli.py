@@ -212,6 +212,7 @@ def replay(
     warmup: float = typer.Option(0.0, "--warmup", help="Fraction of the requests used only to warm the cache."),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also run each request uncached."),
     verify: bool = typer.Option(False, "--verify", help="Exit with an error (code 1) if any output differs."),
+    eviction: str = typer.Option("lru", "--eviction", help="Eviction policy of the wrapper's cache."),
     max_requests: Optional[int] = typer.Option(None, "--max-requests", help="Replay only the first N requests."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default), bfloat16, float16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, ..."),
@@ -225,7 +226,7 @@ def replay(
     Records time to first token and total time for both, and whether the outputs match (greedy decoding).
     Chat replies generated in one turn join the history of the conversation's next turn.
     """
-    _check_common(warmup, "lru", block_size)
+    _check_common(warmup, eviction, block_size)
     if max_requests is not None and max_requests <= 0:
         raise UsageError(f"--max-requests must be > 0, got {max_requests}")
     scenario = _load(scenario_path, None, "file")
@@ -241,7 +242,8 @@ def replay(
         from engine.replay import ReplayError, replay as run_replay  # lazy: torch + transformers
     except ImportError as exc:  # pragma: no cover - engine is part of the package
         raise UsageError(f"replay needs the engine package (torch, transformers): {exc}") from None
-    settings = {"source": str(scenario_path), "model": model_name, "block_size": bs, "warmup": warmup,
+    settings = {"source": str(scenario_path), "model": model_name, "block_size": bs, "eviction": eviction,
+                "warmup": warmup,
                 "baseline": baseline, "capacities": [c.label(bs) for c in caps], "requests": len(scenario),
                 "dtype": dtype or "float32", "device": device or "cpu"}
     results: list[RunResult] = []
@@ -249,7 +251,8 @@ def replay(
     with console.progress(progress) as p:
         prog = _Progress(p)
         try:
-            results, info = run_replay(scenario, caps, model=model_name, block_size=bs, warmup=warmup,
+            results, info = run_replay(scenario, caps, model=model_name, block_size=bs, eviction=eviction,
+                                       warmup=warmup,
                                        baseline=baseline, dtype=dtype, device=device,
                                        on_start=lambda c, n: prog.start(c, n, bs), on_row=prog.row)
             settings.update(info)

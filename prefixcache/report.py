@@ -170,21 +170,22 @@ def plot_saved(record: dict) -> bytes:
 
 
 def plot_ttft(record: dict) -> bytes | None:
-    """TTFT per request, cached vs uncached (first capacity), or None without timings."""
-    run = record["runs"][0] if record["runs"] else None
-    rows = _measured(run) if run else []
-    if not any(r.ttft_cached_s is not None for r in rows):
+    """TTFT per request: uncached, and cached at every capacity of the run; None without timings."""
+    runs = [(k, _measured(run)) for k, run in enumerate(record["runs"])]
+    if not any(r.ttft_cached_s is not None for _, rows in runs for r in rows):
         return None
     fig, ax = _fig()
-    x = [r.index for r in rows]
-    if any(r.ttft_uncached_s is not None for r in rows):
-        ax.plot(x, [1000 * r.ttft_uncached_s if r.ttft_uncached_s is not None else np.nan for r in rows], ".",
-                label="uncached", color="tab:red", ms=4)
-    ax.plot(x, [1000 * r.ttft_cached_s if r.ttft_cached_s is not None else np.nan for r in rows], ".",
-            label="cached", color="tab:green", ms=4)
+    for k, rows in runs:
+        if k == 0 and any(r.ttft_uncached_s is not None for r in rows):
+            ax.plot([r.index for r in rows],
+                    [1000 * r.ttft_uncached_s if r.ttft_uncached_s is not None else np.nan for r in rows], ".",
+                    label="uncached", color="tab:red", ms=4)
+        ax.plot([r.index for r in rows],
+                [1000 * r.ttft_cached_s if r.ttft_cached_s is not None else np.nan for r in rows], ".",
+                label=f"cached, {_run_label(record, k)}", ms=4)
     ax.set_xlabel("request")
     ax.set_ylabel("time to first token (ms)")
-    ax.set_title(f"TTFT cached vs uncached ({_run_label(record, 0)})")
+    ax.set_title("TTFT cached vs uncached")
     ax.legend(fontsize=8)
     return _png(fig)
 

@@ -96,3 +96,22 @@ def test_cli_replay_verify_and_record(tmp_path):
     assert "TTFT cached vs uncached" in (tmp_path / "r.html").read_text()
     r = CliRunner().invoke(cli.app, ["replay", str(SCENARIOS / "chat.yaml"), "--model", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "cannot load model" in r.output
+
+
+def test_replay_eviction_policy_matches_simulation(tiny, handwritten):
+    # 4 blocks of 2: A, B, A again, C (evicts B under LRU and LFU, A under FIFO), A again
+    a, b, c = (1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)
+    reqs = tuple(ScenarioRequest(tokens=p + (50 + i,), max_new_tokens=1) for i, p in enumerate((a, b, a, c, a)))
+    sc = replace(handwritten, requests=reqs, block_size=2)
+    last = {}
+    for eviction in ("lru", "fifo", "lfu"):
+        (res,), _ = replay(sc, [Capacity(4)], block_size=2, eviction=eviction, baseline=False, loaded=tiny)
+        sim = simulate_requests(sc, 4, 2, eviction=eviction).rows
+        assert [r.cached_tokens for r in res.rows] == [s.cached_tokens for s in sim]
+        last[eviction] = res.rows[-1].cached_tokens
+    assert last == {"lru": 4, "fifo": 0, "lfu": 4}
+
+
+def test_cli_replay_rejects_unknown_eviction():
+    r = CliRunner().invoke(cli.app, ["replay", str(SCENARIOS / "chat.yaml"), "--eviction", "random"])
+    assert r.exit_code == 2 and "unknown policy 'random'" in r.output

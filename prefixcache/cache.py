@@ -66,6 +66,12 @@ def _check_keep_for(keep_for: Any) -> float:
     return float(keep_for)
 
 
+def _check_count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
 def _ensure_namespace(namespace: str) -> str:
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
@@ -193,14 +199,16 @@ class PrefixCache:
         return last.node
 
     # ---- commit --------------------------------------------------------------------------------------
-    def commit(self, handle: RequestHandle, tokens: Any = None, *, keep_for: float | None = None) -> CommitResult:
+    def commit(self, handle: RequestHandle, tokens: Any = None, *, keep_for: float | None = None,
+               keep_tokens: int | None = None) -> CommitResult:
         """Cache the full blocks of ``tokens`` (default: the prompt given to ``match``), e.g. prompt + output.
 
         Changes the cache: inserts new blocks (evicting unpinned leaves as needed; when the pool cannot make
         room, only a prefix is cached), and moves the handle's pin to the whole cached path. The caller must
         write the KV of the returned blocks before the next ``match``. ``keep_for`` (seconds; default: the
-        namespace's, see ``retain_namespace``) marks the whole cached path to be kept until ``clock() +
-        keep_for``: the "priority" policy evicts it only when nothing else is evictable.
+        namespace's, see ``retain_namespace``) marks the cached path to be kept until ``clock() + keep_for``:
+        the "priority" policy evicts it only when nothing else is evictable. ``keep_tokens`` limits that to
+        the full blocks of the first ``keep_tokens`` tokens (e.g. just the system prompt).
         """
         self._check_live(handle)
         if handle.mode != "tokens":
@@ -219,18 +227,23 @@ class PrefixCache:
             toks = data[start * bb : stop * bb] if self.config.verify_tokens else None
             return keys, toks
 
-        return self._insert(handle, root, path, nblocks, make, keep_for)
+        keep_blocks = None if keep_tokens is None else _check_count(keep_tokens, "keep_tokens") // self.block_size
+        return self._insert(handle, root, path, nblocks, make, keep_for, keep_blocks)
 
     def commit_keys(self, handle: RequestHandle, keys: Sequence[Any] | None = None, *,
-                    keep_for: float | None = None) -> CommitResult:
-        """``commit`` for precomputed keys (default: the keys given to ``match_keys``)."""
+                    keep_for: float | None = None, keep_blocks: int | None = None) -> CommitResult:
+        """``commit`` for precomputed keys (default: the keys given to ``match_keys``); ``keep_blocks`` limits
+        ``keep_for`` to the first blocks."""
         self._check_live(handle)
         if handle.mode != "keys":
             raise ValueError(f"request {handle.id} was matched by tokens; use commit")
         keys = handle.prompt if keys is None else list(keys)
         root = self.tree.root("keys", handle.namespace)
         path = self.tree.walk_keys(root, keys, len(keys))
-        return self._insert(handle, root, path, len(keys), lambda a, b, parent: (keys[a:b], None), keep_for)
+        if keep_blocks is not None:
+            keep_blocks = _check_count(keep_blocks, "keep_blocks")
+        return self._insert(handle, root, path, len(keys), lambda a, b, parent: (keys[a:b], None), keep_for,
+                            keep_blocks)
 
     def retain_namespace(self, namespace: str, keep_for: float | None) -> None:
         """Default ``keep_for`` of every later commit in ``namespace`` (None: stop). Changes only that default."""
@@ -240,7 +253,7 @@ class PrefixCache:
             self._namespace_keep[_ensure_namespace(namespace)] = _check_keep_for(keep_for)
 
     def _insert(self, handle: RequestHandle, root: Node, path: list[Step], nblocks: int, make,
-                keep_for: float | None = None) -> CommitResult:
+                keep_for: float | None = None, keep_blocks: int | None = None) -> CommitResult:
         if keep_for is None:
             keep_for = self._namespace_keep.get(handle.namespace)
         until = None if keep_for is None else self.clock() + _check_keep_for(keep_for)
@@ -279,12 +292,26 @@ class PrefixCache:
             self.stats.blocks_inserted += fit
             self.stats.blocks_not_cached += want - fit
         handle.terminal = terminal
-        if until is not None:  # the path is pinned, so no policy holds these nodes while their keys change
-            node = terminal
-            while not node.is_root:
-                node.keep_until = max(node.keep_until, until)
-                node = node.parent  # type: ignore[assignment]
+        if until is not None and keep_blocks != 0:
+            self._retain(terminal, until, keep_blocks)
         return CommitResult(tuple(new_ids), have, have + len(new_ids), max(0, want - len(new_ids)))
+
+    def _retain(self, terminal: Node, until: float, keep_blocks: int | None) -> None:
+        """Mark the path to ``terminal`` (or its first ``keep_blocks`` blocks, splitting the node where that
+        ends) to be kept until ``until``. The path is pinned, so no policy holds these nodes while they change."""
+        path = []
+        node = terminal
+        while not node.is_root:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        depth = 0
+        for node in reversed(path):
+            if keep_blocks is not None and depth + len(node.blocks) > keep_blocks:
+                if keep_blocks > depth:
+                    self.tree.split(node, keep_blocks - depth).keep_until = max(node.keep_until, until)
+                break
+            node.keep_until = max(node.keep_until, until)
+            depth += len(node.blocks)
 
     # ---- release -------------------------------------------------------------------------------------
     def release(self, handle: RequestHandle) -> None:

@@ -136,3 +136,35 @@ def test_tokens_api_keep_for():
             cache.commit(m.handle)
         cache.check_integrity()
     assert cache.probe([1, 2, 3, 4, 0]) == 4
+
+
+def test_keep_only_a_leading_part_of_the_path():
+    """keep_blocks retains the system-prompt part of a request; the rest of it is ordinary LRU."""
+    cache, clock = make(4)
+    clock.now = 0
+    m = cache.match_keys(["s1", "s2", "q1"])
+    cache.commit_keys(m.handle, keep_for=100, keep_blocks=2)  # splits the new run after s2
+    cache.release(m.handle)
+    cache.check_integrity()
+    serve(cache, clock, 1, ["b1"])
+    serve(cache, clock, 2, ["c1"])  # needs 1: q1 is unretained and least recent (kept whole, b1 would go)
+    assert cached(cache) == {"s1", "s2", "b1", "c1"}
+    m, _ = serve(cache, clock, 3, ["s1", "s2", "q2"])  # the kept prefix hits; q2 takes b1 (LRU)
+    assert m.cached_blocks == 2 and cached(cache) == {"s1", "s2", "q2", "c1"}
+
+
+def test_keep_tokens_on_the_token_path_and_bad_values():
+    clock = Clock()
+    cache = PrefixCache(CacheConfig(num_blocks=4, block_size=2, eviction="priority"), clock=clock)
+    with cache.lookup([1, 2, 3, 4, 5, 6, 7]) as m:
+        cache.commit(m.handle, keep_for=50, keep_tokens=3)  # 3 tokens: only the first full block is kept
+    for other in ([9, 9, 9, 9, 9], [8, 8, 8, 8, 8]):  # 2 blocks each; only block (1, 2) is protected
+        with cache.lookup(other) as m:
+            cache.commit(m.handle)
+        cache.check_integrity()
+    assert cache.probe([1, 2, 3, 4, 5]) == 2 and cache.probe([8, 8, 8, 8, 8]) == 4
+    with cache.lookup([1, 2, 7]) as m:
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="keep_tokens"):
+                cache.commit(m.handle, keep_for=5, keep_tokens=bad)
+    cache.check_integrity()

@@ -67,6 +67,7 @@ class PrefixCachedModel:
             raise ValueError("give max_cached_tokens or max_cached_bytes, not both")
         object.__setattr__(self, "model", model)
         self._lock = threading.RLock()
+        self._active = 0  # cached generate calls in progress (a nested one, from a callback, runs uncached)
         self.block_size = block_size
         self.last_request_stats: tuple[RowStats, ...] = ()
         self.last_uncached_reason: str | None = None
@@ -98,6 +99,7 @@ class PrefixCachedModel:
         self.cache = PrefixCache(CacheConfig(num_blocks=num_blocks, block_size=block_size, eviction=eviction,
                                              hash_seed=hash_seed, verify_tokens=verify_tokens))
         self.pool = KVPool(specs, num_blocks, block_size, dtype=model.dtype, device=model.device)
+        self._specs = specs
 
     # ---- construction helpers ------------------------------------------------------------------------
     @classmethod
@@ -124,6 +126,42 @@ class PrefixCachedModel:
     def __call__(self, *args, **kwargs):
         """A plain (uncached) forward of the wrapped model."""
         return self.model(*args, **kwargs)
+
+    def to(self, *args, **kwargs) -> "PrefixCachedModel":
+        """Move/cast the wrapped model (like ``nn.Module.to``) and return the WRAPPER; the pool follows on the
+        next call (cached blocks are dropped then)."""
+        self.model.to(*args, **kwargs)
+        return self
+
+    def cuda(self, *args, **kwargs) -> "PrefixCachedModel":
+        self.model.cuda(*args, **kwargs)
+        return self
+
+    def cpu(self) -> "PrefixCachedModel":
+        self.model.cpu()
+        return self
+
+    def half(self) -> "PrefixCachedModel":
+        self.model.half()
+        return self
+
+    def float(self) -> "PrefixCachedModel":
+        self.model.float()
+        return self
+
+    def bfloat16(self) -> "PrefixCachedModel":
+        self.model.bfloat16()
+        return self
+
+    def _follow_model(self) -> None:
+        """If the model moved or changed dtype since the pool was made, remake the pool there (dropping
+        cached blocks, keeping the counters): KV of another dtype or device must never be served."""
+        model, pool = self.model, self.pool
+        if pool is None or (model.dtype == pool.dtype and torch.device(model.device) == pool.device):
+            return
+        self.pool = KVPool(self._specs, pool.num_blocks, pool.block_size, dtype=model.dtype, device=model.device)
+        self.cache.reset(keep_stats=True)
+        self.fingerprint = _fingerprint(model)
 
     def __repr__(self) -> str:
         return (f"PrefixCachedModel({type(self.model).__name__}, blocks={self.cache.num_blocks}, "
@@ -180,7 +218,9 @@ class PrefixCachedModel:
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
         with self._lock:
             gc = None
-            reason = self._uncached_reason(input_ids, attention_mask, kwargs)
+            reason = "nested call (from inside another generate of this wrapper)" if self._active else None
+            if reason is None:
+                reason = self._uncached_reason(input_ids, attention_mask, kwargs)
             if reason is None:
                 gc, reason = self._merged_config(kwargs)
             self.last_uncached_reason = reason
@@ -192,7 +232,13 @@ class PrefixCachedModel:
                 if attention_mask is not None:
                     kwargs["attention_mask"] = attention_mask
                 return self.model.generate(**kwargs)
-            return self._generate_cached(input_ids, attention_mask, gc, f"{self.fingerprint}:{namespace}", kwargs)
+            self._follow_model()
+            self._active += 1
+            try:
+                return self._generate_cached(input_ids, attention_mask, gc, f"{self.fingerprint}:{namespace}",
+                                             kwargs)
+            finally:
+                self._active -= 1
 
     def _uncached_reason(self, input_ids, attention_mask, kwargs: dict) -> str | None:
         """Why this call must run uncached, or None. Changes nothing."""
@@ -239,6 +285,8 @@ class PrefixCachedModel:
         mode = str(getattr(gc.get_generation_mode(), "value", gc.get_generation_mode()))
         if mode not in _ALLOWED_MODES:
             return None, f"generation mode {mode} (only greedy search and sampling use the prefix cache)"
+        if (gc.num_return_sequences or 1) > 1 and not gc.do_sample:
+            return None, "num_return_sequences > 1 without sampling (the model decides what that means)"
         if getattr(gc, "cache_implementation", None) is not None:
             return None, f"cache_implementation={gc.cache_implementation!r}"
         if getattr(gc, "output_attentions", False) or getattr(gc, "output_hidden_states", False):
@@ -271,6 +319,12 @@ class PrefixCachedModel:
         else:
             pads = (width - attention_mask.to(torch.long).sum(dim=1)).tolist()
         rows = [input_ids[r, pads[r]:] for r in range(batch)]
+        copies = int(gc.num_return_sequences or 1)  # sampling n per prompt: generate's own expansion, done here
+        if copies > 1:
+            input_ids = input_ids.repeat_interleave(copies, dim=0)
+            if attention_mask is not None:
+                attention_mask = attention_mask.repeat_interleave(copies, dim=0)
+            kwargs = {**kwargs, "num_return_sequences": 1}
         handles = []
         alive = True
         try:
@@ -279,9 +333,13 @@ class PrefixCachedModel:
                 matches.append(self.cache.match(row.detach().cpu(), namespace))
                 handles.append(matches[-1].handle)
             ready = matches[0].cached_tokens if batch == 1 else width - 1
-            bufs = self.pool.buffers(batch, width + self._new_tokens_bound(gc, kwargs, width))
+            bufs = self.pool.buffers(batch * copies, width + self._new_tokens_bound(gc, kwargs, width))
             for r, m in enumerate(matches):
-                self._prepare_row(bufs, r, pads[r], rows[r], m, ready)
+                self._prepare_row(bufs, r * copies, pads[r], rows[r], m, ready)
+                for kv in bufs if copies > 1 else ():
+                    if kv is not None:
+                        for side in kv:
+                            side[r * copies + 1 : (r + 1) * copies, :, :ready] = side[r * copies, :, :ready]
             cache = hf_cache.buffer_cache(self.model, bufs, ready)
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, **{self._cache_kwarg: cache}, **kwargs)
@@ -292,7 +350,7 @@ class PrefixCachedModel:
             except BaseException:
                 # blocks may be in the tree without their KV: drop everything rather than ever serve them
                 alive = False
-                self.cache.reset()
+                self.cache.reset(keep_stats=True)
                 raise
             self.last_request_stats = tuple(
                 RowStats(len(row), m.cached_tokens, n) for row, m, n in zip(rows, matches, inserted))
@@ -331,7 +389,7 @@ class PrefixCachedModel:
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
         per_input = seqs.shape[0] // len(matches)  # num_return_sequences rows follow their input row
-        eos = _eos_ids(gc)
+        eos = _eos_ids(gc, seqs.device)
         inserted = [0] * len(matches)
         for i in range(seqs.shape[0]):
             r = i // per_input
@@ -367,10 +425,10 @@ def _fingerprint(model) -> str:
     return xxhash.xxh3_64_hexdigest(f"{type(model).__name__}|{model.dtype}|{cfg}".encode())
 
 
-def _eos_ids(gc) -> torch.Tensor | None:
-    """The generation config's EOS ids as a tensor, or None."""
+def _eos_ids(gc, device) -> torch.Tensor | None:
+    """The generation config's EOS ids as a tensor on ``device``, or None."""
     eos = gc.eos_token_id
     if eos is None:
         return None
-    eos = torch.as_tensor(eos).flatten()
+    eos = torch.as_tensor(eos).flatten().to(device)
     return eos if eos.numel() else None

@@ -95,13 +95,14 @@ class PrefixCache:
         self.reset()
 
     # ---- state ---------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget every cached block and live request; counters restart from zero."""
+    def reset(self, *, keep_stats: bool = False) -> None:
+        """Forget every cached block and live request; counters restart from zero unless ``keep_stats``."""
         c = self.config
         self.tree = RadixTree(c.block_size, self._hasher, partial(namespace_root, seed=c.hash_seed), c.verify_tokens)
         self.allocator = BlockAllocator(c.num_blocks)
         self.policy: EvictionPolicy = self._policy_factory(self.clock)
-        self.stats = CacheStats()
+        if not keep_stats or not hasattr(self, "stats"):
+            self.stats = CacheStats()
         self._live: dict[int, RequestHandle] = {}
         self._ids = itertools.count(1)
         self._clock = 0

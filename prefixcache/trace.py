@@ -349,9 +349,12 @@ def parse_capacity(value: Any, where: str = "capacity") -> int | None:
         s = value.strip().lower().replace("_", "").replace(",", "")
         mult = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}.get(s[-1:], 1)
         try:
-            value = int(float(s[:-1] if mult > 1 else s) * mult)
+            number = float(s[:-1] if mult > 1 else s) * mult
         except ValueError:
             raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}") from None
+        if not math.isfinite(number) or number != int(number):
+            raise ValueError(f"{where}: expected a whole number of tokens or 'unlimited', got {value!r}")
+        value = int(number)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}")
     if value <= 0:

@@ -276,3 +276,61 @@ def test_finished_rows_are_cached_up_to_their_eos_only(llama, pcm):
     assert pcm.probe(torch.tensor(padded)) == (15 // BS) * BS
     assert pcm.probe(torch.tensor(rows[0] + [first, eos, 5])) == (15 // BS) * BS
     _consistent(pcm)
+
+
+def test_num_return_sequences_with_sampling_matches_the_model(llama, pcm):
+    g = torch.Generator().manual_seed(21)
+    a, b = rand_tokens(g, 20), rand_tokens(g, 7)
+    pcm.generate(torch.tensor([a + [5]]), max_new_tokens=2)  # a's blocks are cached
+    ids, mask = left_pad([a + [9, 9], b])
+    for args in ((torch.tensor([a + [5, 6, 7]]), None), (ids, mask)):
+        torch.manual_seed(3)
+        out = pcm.generate(args[0], attention_mask=args[1], do_sample=True, num_return_sequences=3, max_new_tokens=5)
+        torch.manual_seed(3)
+        ref = llama.generate(args[0], attention_mask=args[1], do_sample=True, num_return_sequences=3,
+                             max_new_tokens=5)
+        assert torch.equal(out, ref)
+        assert pcm.last_request_stats[0].cached_tokens == 20
+    _same_error(lambda: llama.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2),
+                lambda: pcm.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2))
+    _consistent(pcm)
+
+
+def test_nested_call_from_a_callback_runs_uncached_and_stays_exact(llama, pcm):
+    g = torch.Generator().manual_seed(22)
+    a, b = rand_tokens(g, 20), rand_tokens(g, 20)
+
+    class Nest(T.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            pcm.generate(torch.tensor([b + [3] * 10]), max_new_tokens=3)  # would reuse the outer call's buffers
+            return scores
+
+    pcm.generate(torch.tensor([a + [5]]), max_new_tokens=2)
+    pcm.generate(torch.tensor([b + [3] * 10]), max_new_tokens=3)
+    ids = torch.tensor([a + [5, 6, 7, 8]])
+    before = pcm.uncached_calls
+    out = pcm.generate(ids, max_new_tokens=6, logits_processor=T.LogitsProcessorList([Nest()]))
+    assert torch.equal(out, llama.generate(ids, max_new_tokens=6))
+    assert pcm.uncached_calls - before == 6  # one nested call per step
+    later = torch.tensor([a + [5, 6, 7, 8] + out[0, -6:].tolist() + [1]])  # hits what the outer call stored
+    assert torch.equal(pcm.generate(later, max_new_tokens=3), llama.generate(later, max_new_tokens=3))
+    assert pcm.last_request_stats[0].cached_tokens >= 24
+    _consistent(pcm)
+
+
+def test_casting_the_wrapper_keeps_it_and_moves_the_pool(llama):
+    from engine.wrapper import _eos_ids
+
+    model = tiny_model("llama")
+    pcm = PrefixCachedModel(model, max_cached_tokens=512, block_size=BS)
+    g = torch.Generator().manual_seed(23)
+    ids = torch.tensor([rand_tokens(g, 21)])
+    pcm.generate(ids, max_new_tokens=2)
+    assert pcm.to(torch.bfloat16) is pcm and pcm.half() is pcm and pcm.bfloat16() is pcm
+    for _ in range(2):  # first call remakes the pool in bf16 (a miss), the second hits
+        assert torch.equal(pcm.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
+    assert pcm.pool.dtype == torch.bfloat16 and pcm.last_request_stats[0].cached_tokens == 20
+    assert pcm.cache_stats()["lookups"] == 3  # counters survive the remake
+    gc = T.GenerationConfig(eos_token_id=[2, 7])
+    assert _eos_ids(gc, torch.device("meta")).device.type == "meta"
+    _consistent(pcm)

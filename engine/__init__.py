@@ -1,5 +1,5 @@
 """engine: the model side of prefixcache (torch + transformers)."""
 
-from engine.wrapper import PrefixCachedModel, RowStats, UnsupportedModelError
+from engine.wrapper import PrefixCachedModel, RowStats, UncachedCallWarning, UnsupportedModelError
 
-__all__ = ["PrefixCachedModel", "RowStats", "UnsupportedModelError"]
+__all__ = ["PrefixCachedModel", "RowStats", "UncachedCallWarning", "UnsupportedModelError"]

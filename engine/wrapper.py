@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,10 @@ class RowStats:
     prompt_tokens: int
     cached_tokens: int
     inserted_blocks: int
+
+
+class UncachedCallWarning(UserWarning):
+    """A generate call ran without the prefix cache (its reason is in the message and last_uncached_reason)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -67,6 +72,7 @@ class PrefixCachedModel:
             raise ValueError("give max_cached_tokens or max_cached_bytes, not both")
         object.__setattr__(self, "model", model)
         self._lock = threading.RLock()
+        self._warned: set[str] = set()
         self._active = 0  # cached generate calls in progress (a nested one, from a callback, runs uncached)
         self.block_size = block_size
         self.last_request_stats: tuple[RowStats, ...] = ()
@@ -223,15 +229,13 @@ class PrefixCachedModel:
                 reason = self._uncached_reason(input_ids, attention_mask, kwargs)
             if reason is None:
                 gc, reason = self._merged_config(kwargs)
-            self.last_uncached_reason = reason
             if reason is not None:
-                self.uncached_calls += 1
-                self.last_request_stats = ()
                 if input_ids is not None:
                     kwargs["input_ids"] = input_ids
                 if attention_mask is not None:
                     kwargs["attention_mask"] = attention_mask
-                return self.model.generate(**kwargs)
+                return self._run_uncached(reason, kwargs)
+            self.last_uncached_reason = None
             self._follow_model()
             self._active += 1
             try:
@@ -239,6 +243,17 @@ class PrefixCachedModel:
                                              kwargs)
             finally:
                 self._active -= 1
+
+    def _run_uncached(self, reason: str, kwargs: dict):
+        """The bare model's generate, counted in ``uncached_calls``; warns once per distinct reason."""
+        self.uncached_calls += 1
+        self.last_uncached_reason = reason
+        self.last_request_stats = ()
+        if reason not in self._warned and len(self._warned) < 64:
+            self._warned.add(reason)
+            warnings.warn(f"PrefixCachedModel: running this call without the prefix cache: {reason}",
+                          UncachedCallWarning, stacklevel=4)
+        return self.model.generate(**kwargs)
 
     def _uncached_reason(self, input_ids, attention_mask, kwargs: dict) -> str | None:
         """Why this call must run uncached, or None. Changes nothing."""
@@ -311,10 +326,8 @@ class PrefixCachedModel:
         if attention_mask is None:
             pad_id = gc.pad_token_id
             if pad_id is not None and bool((input_ids == pad_id).any()):
-                self.uncached_calls += 1
-                self.last_uncached_reason = "pad tokens in input_ids without attention_mask"
-                self.last_request_stats = ()
-                return self.model.generate(input_ids=input_ids, **kwargs)
+                return self._run_uncached("pad tokens in input_ids without attention_mask",
+                                          {"input_ids": input_ids, **kwargs})
             pads = [0] * batch
         else:
             pads = (width - attention_mask.to(torch.long).sum(dim=1)).tolist()

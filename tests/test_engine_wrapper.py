@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
 import transformers as T
 from engine_testutil import BS, compare, left_pad, rand_tokens, tiny_model
 
-from engine import PrefixCachedModel, RowStats, UnsupportedModelError
+from engine import PrefixCachedModel, RowStats, UncachedCallWarning, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +81,16 @@ def test_uncached_routes_match_model(llama, pcm):
     for kw in (dict(num_beams=2), dict(use_cache=False), dict(output_hidden_states=True, return_dict_in_generate=True)):
         calls = pcm.uncached_calls
         ref = llama.generate(ids, max_new_tokens=3, **kw)
-        out = pcm.generate(ids, max_new_tokens=3, **kw)
+        with pytest.warns(UncachedCallWarning, match="without the prefix cache"):
+            out = pcm.generate(ids, max_new_tokens=3, **kw)
         seq_ref = ref if isinstance(ref, torch.Tensor) else ref.sequences
         seq_out = out if isinstance(out, torch.Tensor) else out.sequences
         assert torch.equal(seq_out, seq_ref), kw
         assert pcm.uncached_calls == calls + 1, kw
         assert pcm.last_uncached_reason
+    with warnings.catch_warnings():  # once per reason
+        warnings.simplefilter("error")
+        pcm.generate(ids, max_new_tokens=3, num_beams=2)
     embeds = llama.get_input_embeddings()(ids)
     ref = llama.generate(inputs_embeds=embeds, max_new_tokens=3)
     assert torch.equal(pcm.generate(inputs_embeds=embeds, max_new_tokens=3), ref)

@@ -165,12 +165,9 @@ def probe_specs(model) -> list[LayerSpec | None]:
         model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
     specs: list[LayerSpec | None] = []
     for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if keys is None or not getattr(layer, "is_initialized", False) or keys.numel() == 0:
-            specs.append(None)
-            continue
-        values = layer.values
-        specs.append(LayerSpec((keys.shape[1], keys.shape[3]), (values.shape[1], values.shape[3])))
+        kv = _held_kv(layer)
+        specs.append(None if kv is None else
+                     LayerSpec((kv[0].shape[1], kv[0].shape[3]), (kv[1].shape[1], kv[1].shape[3])))
     return specs
 
 
@@ -183,9 +180,14 @@ def read_kv(cache, start: int, stop: int, row: int = 0) -> list[LayerKV | None]:
     """Per-layer views of K/V for token positions ``start:stop`` of batch row ``row``. Changes nothing."""
     out: list[LayerKV | None] = []
     for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if keys is None or not getattr(layer, "is_initialized", False) or keys.numel() == 0:
-            out.append(None)
-            continue
-        out.append((keys[row : row + 1, :, start:stop], layer.values[row : row + 1, :, start:stop]))
+        kv = _held_kv(layer)
+        out.append(None if kv is None else (kv[0][row : row + 1, :, start:stop], kv[1][row : row + 1, :, start:stop]))
     return out
+
+
+def _held_kv(layer) -> LayerKV | None:
+    """A cache layer's K, V tensors, or None for a layer that holds none (shared / attention-free / empty)."""
+    keys = getattr(layer, "keys", None)
+    if keys is None or not getattr(layer, "is_initialized", False) or keys.numel() == 0:
+        return None
+    return keys, layer.values

@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.curves import canonical_blocks, lru_curve, next_uses, optimal_hits, ordered
-from prefixcache.trace import load_trace
+from prefixcache.sim.curves import canonical_blocks, lru_curve, next_uses, optimal_hits, ordered
+from prefixcache.workload.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 MOONCAKE = ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl")

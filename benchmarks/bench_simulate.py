@@ -21,8 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from prefixcache.simulate import simulate_trace
-from prefixcache.trace import load_trace
+from prefixcache.sim.replay import simulate_trace
+from prefixcache.workload.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 MOONCAKE = {"mooncake_conversation_trace.jsonl": (1_000, 10_000, None),

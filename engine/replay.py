@@ -24,10 +24,11 @@ import torch
 
 from engine.models import PRESETS, load_model
 from engine.wrapper import PrefixCachedModel
-from prefixcache.render import Conversations, synthetic_reply
-from prefixcache.runrecord import Row, RunResult
-from prefixcache.simulate import Capacity, warmup_count
-from prefixcache.trace import Message, Scenario
+from prefixcache.workload.render import Conversations, synthetic_reply
+from prefixcache.reports.record import Row, RunResult
+from prefixcache.sim.replay import Capacity, warmup_count
+from prefixcache.workload.requests import Message
+from prefixcache.workload.scenario import Scenario
 
 
 class ReplayError(ValueError):

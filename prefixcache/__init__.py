@@ -1,9 +1,20 @@
-"""prefixcache: a block-hash radix tree over a KV block pool, model-free (no torch, no transformers)."""
+"""prefixcache: a block-hash radix tree over a KV block pool, model-free (no torch, no transformers).
 
-from prefixcache.cache import DEFAULT_NAMESPACE, CommitResult, MatchResult, PrefixCache, RequestHandle
-from prefixcache.config import CacheConfig
-from prefixcache.eviction import POLICIES
-from prefixcache.stats import CacheStats
+Layers (each imports only those before it): ``core`` (the cache) <- ``workload`` (traces, scenarios) <-
+``sim`` (replay, curves, planning) <- ``reports`` <- ``cli``. The model side lives in the ``engine`` package.
+"""
+
+from prefixcache._version import __version__
+from prefixcache.core import (
+    DEFAULT_NAMESPACE,
+    POLICIES,
+    CacheConfig,
+    CacheStats,
+    CommitResult,
+    MatchResult,
+    PrefixCache,
+    RequestHandle,
+)
 
 __all__ = [
     "CacheConfig",
@@ -14,5 +25,5 @@ __all__ = [
     "POLICIES",
     "PrefixCache",
     "RequestHandle",
+    "__version__",
 ]
-__version__ = "0.1.0"

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache import cli
-from prefixcache.simulate import simulate_trace
-from prefixcache.trace import load_trace
+from prefixcache.sim.replay import simulate_trace
+from prefixcache.workload.trace import load_trace
 
 DATA = Path(__file__).parent / "data"
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.allocator import BlockAllocator
+from prefixcache.core.allocator import BlockAllocator
 
 
 def test_free_queue_is_oldest_freed_first():

@@ -6,7 +6,7 @@ import numpy as np
 import xxhash
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.hashing import as_token_array, chain_hashes, namespace_root, xxh3_hasher
+from prefixcache.core.hashing import as_token_array, chain_hashes, namespace_root, xxh3_hasher
 
 
 def reference_chain(tokens: list[int], bs: int, namespace: str, seed: int) -> list[bytes]:

@@ -255,7 +255,7 @@ def test_torch_float_and_2d_tensors_are_refused():
 
 def test_import_does_not_pull_torch_or_transformers():
     code = (
-        "import sys, prefixcache, prefixcache.cache, prefixcache.eviction, prefixcache.hashing;"
+        "import sys, prefixcache, prefixcache.core.cache, prefixcache.core.eviction, prefixcache.core.hashing;"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

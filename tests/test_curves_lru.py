@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.curves import canonical_blocks, log_grid, lru_curve, ordered, trace_from_lists
-from prefixcache.trace import load_trace
+from prefixcache.sim.curves import canonical_blocks, log_grid, lru_curve, ordered, trace_from_lists
+from prefixcache.workload.trace import load_trace
 
 
 def replay_lru(trace, capacity: int, warmup_from: int = 0) -> tuple[int, int, int, int]:
@@ -150,7 +150,7 @@ def test_random_arbitrary_traces_equal_replays(tr):
 
 def test_fast_and_dict_paths_agree():
     """The vectorised node numbering and the dict walk give the same partition of references."""
-    from prefixcache.curves import _consistent_nodes, _walk_nodes
+    from prefixcache.sim.curves import _consistent_nodes, _walk_nodes
 
     rng = np.random.default_rng(1)
     reqs = []

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.curves import canonical_blocks, log_grid, lru_curve, next_uses, optimal_hits, trace_from_lists
-from prefixcache.trace import load_trace
+from prefixcache.sim.curves import canonical_blocks, log_grid, lru_curve, next_uses, optimal_hits, trace_from_lists
+from prefixcache.workload.trace import load_trace
 
 from test_curves_lru import slice_lines
 

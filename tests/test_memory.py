@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from prefixcache.memory import PRESETS, KVShape, from_config, resolve_model
+from prefixcache.sim.kv_size import PRESETS, KVShape, from_config, resolve_model
 
 
 def test_bytes_by_hand():

@@ -9,10 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.curves import canonical_blocks, optimal_hits, trace_from_lists
-from prefixcache.memory import PRESETS
-from prefixcache.plan import make_plan
-from prefixcache.trace import load_trace
+from prefixcache.sim.curves import canonical_blocks, optimal_hits, trace_from_lists
+from prefixcache.sim.kv_size import PRESETS
+from prefixcache.sim.plan import make_plan
+from prefixcache.workload.trace import load_trace
 
 from test_curves_lru import slice_lines
 

@@ -17,9 +17,10 @@ from typer.testing import CliRunner  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.replay import ReplayError, replay  # noqa: E402
 from prefixcache import cli  # noqa: E402
-from prefixcache.render import ByteRenderer, Conversations  # noqa: E402
-from prefixcache.simulate import Capacity, simulate_requests, unlimited_blocks  # noqa: E402
-from prefixcache.trace import ScenarioRequest, load_scenario  # noqa: E402
+from prefixcache.workload.render import ByteRenderer, Conversations  # noqa: E402
+from prefixcache.sim.replay import Capacity, simulate_requests, unlimited_blocks  # noqa: E402
+from prefixcache.workload.requests import ScenarioRequest  # noqa: E402
+from prefixcache.workload.scenario import load_scenario  # noqa: E402
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from prefixcache.report import plots, summary_table, to_html, to_markdown
-from prefixcache.runrecord import Row, RunResult, build_record, load_record, save_record, totals
-from prefixcache.trace import InputError
+from prefixcache.reports.run_report import plots, summary_table, to_html, to_markdown
+from prefixcache.reports.record import Row, RunResult, build_record, load_record, save_record, totals
+from prefixcache.core.errors import InputError
 
 
 def _rows(timed: bool = False) -> list[Row]:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.render import ByteRenderer, Conversations, synthetic_reply
-from prefixcache.simulate import Capacity, simulate, simulate_requests, simulate_trace, unlimited_blocks
-from prefixcache.trace import load_scenario, load_trace
+from prefixcache.workload.render import ByteRenderer, Conversations, synthetic_reply
+from prefixcache.sim.replay import Capacity, simulate, simulate_requests, simulate_trace, unlimited_blocks
+from prefixcache.workload.scenario import load_scenario
+from prefixcache.workload.trace import load_trace
 
 DATA = Path(__file__).parent / "data"
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.generators import GENERATORS, generate
-from prefixcache.render import ByteRenderer, Conversations
-from prefixcache.trace import InputError, Message, ScenarioRequest, load_scenario, load_trace
+from prefixcache.workload.generators import GENERATORS, generate
+from prefixcache.workload.render import ByteRenderer, Conversations
+from prefixcache.core.errors import InputError
+from prefixcache.workload.requests import Message, ScenarioRequest
+from prefixcache.workload.scenario import load_scenario
+from prefixcache.workload.trace import load_trace
 
 DATA = Path(__file__).parent / "data"
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
@@ -133,7 +136,7 @@ def test_bad_scenario_names_file_line_and_key(tmp_path, text, message, line):
 def test_scenario_trace_relative_to_file(tmp_path):
     (tmp_path / "t.jsonl").write_text(SAMPLE.read_text())
     sc = load_scenario(_write(tmp_path, "trace: t.jsonl\ncapacity: [512k, unlimited]\n"))
-    assert sc.is_trace and len(sc) == 200 and sc.capacity == (512_000, 0)
+    assert sc.is_trace and len(sc) == 200 and sc.capacity == (512_000, None)
 
 
 # ---- generators --------------------------------------------------------------------------------------------

@@ -472,7 +472,8 @@ def trace_from_lists(hash_ids: Sequence[Sequence[int]], *, block_size: int = 16,
                      namespace: Sequence[str] | None = None, path: str = "<memory>"):
     """A ``prefixcache.trace.Trace`` built in code (tests, notebooks). ``input_length`` defaults to
     ``len(hash_ids[i]) * block_size``, ``timestamp`` to the request index (ms), ``namespace`` to "default"."""
-    from prefixcache.trace import DEFAULT_NAMESPACE, Trace
+    from prefixcache.core import DEFAULT_NAMESPACE
+    from prefixcache.workload.trace import Trace
 
     n = len(hash_ids)
     lens = [len(h) for h in hash_ids]

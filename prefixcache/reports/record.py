@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
-from prefixcache.trace import InputError
+from prefixcache.core.errors import InputError
 
 VERSION = 1
 

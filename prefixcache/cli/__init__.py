@@ -14,12 +14,14 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from prefixcache import console
-from prefixcache.report import summary_table, to_html, to_markdown
-from prefixcache.runrecord import RunResult, build_record, load_record, save_record
-from prefixcache.simulate import DEFAULT_BLOCK_SIZE, Capacity, simulate as run_simulation, warmup_count
-from prefixcache.trace import InputError, Scenario, is_trace_path, load_scenario, load_trace, parse_capacity
-from prefixcache.eviction import POLICIES
+from prefixcache.cli import console
+from prefixcache.reports.run_report import summary_table, to_html, to_markdown
+from prefixcache.reports.record import RunResult, build_record, load_record, save_record
+from prefixcache.sim.replay import DEFAULT_BLOCK_SIZE, Capacity, simulate as run_simulation, warmup_count
+from prefixcache.core.errors import InputError
+from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
+from prefixcache.workload.trace import is_trace_path, load_trace
+from prefixcache.core.eviction import POLICIES
 
 app = typer.Typer(
     name="prefixcache",
@@ -73,7 +75,7 @@ def _capacities(capacity: list[str] | None, capacity_blocks: list[int] | None, b
         return sorted(dict.fromkeys(caps), key=lambda c: (c.blocks is None, c.blocks or 0))
     if not caps:
         try:
-            caps = [Capacity.from_tokens(c or None, block_size) for c in scenario.capacity] or [Capacity(None)]
+            caps = [Capacity.from_tokens(c, block_size) for c in scenario.capacity] or [Capacity(None)]
         except ValueError as exc:
             raise UsageError(f"{scenario.path}: {exc}") from None
     return caps
@@ -294,7 +296,7 @@ def report(
 
 
 try:  # the capacity planner lives in its own module; the CLI works without it
-    from prefixcache import plan_cli
+    from prefixcache.cli import plan as plan_cli
 
     plan_cli.register(app)
 except ImportError:  # pragma: no cover

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from prefixcache.cache import PrefixCache
-from prefixcache.config import CacheConfig
-from prefixcache.render import ByteRenderer, Conversations, Renderer, synthetic_reply
-from prefixcache.runrecord import Row, RunResult
-from prefixcache.trace import Scenario, Trace
+from prefixcache.core.cache import PrefixCache
+from prefixcache.core.config import CacheConfig
+from prefixcache.workload.render import ByteRenderer, Conversations, Renderer, synthetic_reply
+from prefixcache.reports.record import Row, RunResult
+from prefixcache.workload.scenario import Scenario
+from prefixcache.workload.trace import Trace
 
 OnRow = Callable[[Row, PrefixCache], None]
 DEFAULT_BLOCK_SIZE = 16

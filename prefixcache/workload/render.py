@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from prefixcache.trace import Message, ScenarioRequest
+from prefixcache.workload.requests import Message, ScenarioRequest
 
 # The built-in tokenizer's special tokens, in id order from 256 (mirrors engine/models.py SPECIAL_TOKENS).
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from rich.table import Table
 
-from prefixcache.plan import Plan
+from prefixcache.sim.plan import Plan
 
 CURVE_LABELS = {"optimal": "optimal bound", "lru": "LRU", "fifo": "FIFO", "lfu": "LFU", "priority": "priority"}
 

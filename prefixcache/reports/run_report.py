@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 from rich.table import Table
 
-from prefixcache.runrecord import Row, rows_of
+from prefixcache.reports.record import Row, rows_of
 
 
 # ---- numbers -----------------------------------------------------------------------------------------------

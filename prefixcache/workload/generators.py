@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from prefixcache.trace import DEFAULT_NAMESPACE, Message, ScenarioRequest
+from prefixcache.core import DEFAULT_NAMESPACE
+from prefixcache.workload.requests import Message, ScenarioRequest
 
 _LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
 

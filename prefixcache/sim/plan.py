@@ -23,12 +23,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from prefixcache.cache import PrefixCache
-from prefixcache.config import CacheConfig
-from prefixcache.curves import (WEIGHTS, HitCurve, NodeTrace, canonical_blocks, log_grid, lru_curve, measured_from,
+from prefixcache.core.cache import PrefixCache
+from prefixcache.core.config import CacheConfig
+from prefixcache.sim.curves import (WEIGHTS, HitCurve, NodeTrace, canonical_blocks, log_grid, lru_curve, measured_from,
                                 next_uses, optimal_hits, ordered)
-from prefixcache.eviction import POLICIES
-from prefixcache.memory import KVShape
+from prefixcache.core.eviction import POLICIES
+from prefixcache.sim.kv_size import KVShape
 
 FRACTIONS = (0.5, 0.7, 0.9)
 TIMESTAMP_UNIT_S = 1e-3  # trace timestamps are milliseconds (Mooncake, kv-tester)

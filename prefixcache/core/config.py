@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_NAMESPACE = "default"  # the namespace of a request that names none
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -32,7 +34,7 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be > 0, got {value}")
         if isinstance(self.hash_seed, bool) or not isinstance(self.hash_seed, int) or not 0 <= self.hash_seed < 2**64:
             raise ValueError(f"CacheConfig.hash_seed must be an int in [0, 2**64), got {self.hash_seed!r}")
-        from prefixcache.eviction import POLICIES  # late: eviction imports nothing from here
+        from prefixcache.core.eviction import POLICIES  # late: eviction imports nothing from here
 
         if self.eviction not in POLICIES:
             raise ValueError(

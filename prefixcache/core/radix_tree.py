@@ -15,7 +15,7 @@ import itertools
 import math
 from typing import Callable, Iterator, NamedTuple, Sequence
 
-from prefixcache.hashing import TOKEN_BYTES, BlockHasher
+from prefixcache.core.hashing import TOKEN_BYTES, BlockHasher
 
 _ids = itertools.count(1)
 

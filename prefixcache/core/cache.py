@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
-from prefixcache.allocator import BlockAllocator
-from prefixcache.config import CacheConfig
-from prefixcache.eviction import POLICIES, EvictionPolicy
-from prefixcache.hashing import TOKEN_BYTES, BlockHasher, as_token_array, chain_hashes, namespace_root, xxh3_hasher
-from prefixcache.radix_tree import Node, RadixTree, Step
-from prefixcache.stats import CacheStats
-
-DEFAULT_NAMESPACE = "default"
+from prefixcache.core.allocator import BlockAllocator
+from prefixcache.core.config import DEFAULT_NAMESPACE, CacheConfig
+from prefixcache.core.eviction import POLICIES, EvictionPolicy
+from prefixcache.core.hashing import TOKEN_BYTES, BlockHasher, as_token_array, chain_hashes, namespace_root, xxh3_hasher
+from prefixcache.core.radix_tree import Node, RadixTree, Step
+from prefixcache.core.stats import CacheStats
 
 
 @dataclass(eq=False)

@@ -52,11 +52,13 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Hit rate against cache capacity: the LRU curve at every capacity, other policies side by side, the
         optimal bound, and the capacity (GB with a model) for 50/70/90% of the achievable hit rate."""
-        from prefixcache import console
-        from prefixcache.curves import ORDERS, WEIGHTS
-        from prefixcache.eviction import POLICIES
-        from prefixcache.memory import resolve_model
-        from prefixcache.trace import InputError, is_trace_path, load_scenario, load_trace
+        from prefixcache.cli import console
+        from prefixcache.sim.curves import ORDERS, WEIGHTS
+        from prefixcache.core.eviction import POLICIES
+        from prefixcache.sim.kv_size import resolve_model
+        from prefixcache.core.errors import InputError
+        from prefixcache.workload.trace import is_trace_path, load_trace
+        from prefixcache.workload.scenario import load_scenario
 
         def fail(message: str) -> None:
             console.error(message)
@@ -89,8 +91,8 @@ def register(app: typer.Typer) -> None:
                     tr = load_trace(tr.path, block_size)
         except InputError as exc:
             fail(str(exc))
-        from prefixcache.plan import make_plan
-        from prefixcache.plan_report import answer_table, curve_table, to_html, to_markdown, write_json
+        from prefixcache.sim.plan import make_plan
+        from prefixcache.reports.plan_report import answer_table, curve_table, to_html, to_markdown, write_json
 
         console.info(f"{trace}: {len(tr):,} requests, {tr.num_blocks:,} block references, block size "
                      f"{tr.block_size}; policies {', '.join(policies)}{' + optimal bound' if bound else ''}")

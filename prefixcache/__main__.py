@@ -1,0 +1,5 @@
+"""``python -m prefixcache``: the command line."""
+
+from prefixcache.cli import main
+
+main()

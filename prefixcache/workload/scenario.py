@@ -1,0 +1,185 @@
+"""Scenarios (YAML, see scenarios/README.md): requests as text, chat messages, raw token ids, a seeded
+generator, or a pointer to a hash-id trace. ``load_scenario(path)`` returns a :class:`Scenario`; every
+problem raises InputError naming the file, the line and the key."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prefixcache.core.errors import InputError
+from prefixcache.workload.generators import run_generators
+from prefixcache.workload.requests import Message, ScenarioRequest
+from prefixcache.workload.trace import Trace, is_trace_path, load_trace
+from prefixcache.workload.yaml_lines import LineLoader, YamlContext, pos_int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A workload: either ``requests`` (text/chat/tokens) or a hash-id ``trace``."""
+
+    name: str
+    path: str | None = None
+    description: str = ""
+    requests: tuple[ScenarioRequest, ...] = ()
+    trace: Trace | None = field(default=None, repr=False)
+    block_size: int | None = None
+    capacity: tuple[int | None, ...] = ()  # default capacities in tokens (None: unlimited)
+    max_new_tokens: int = 16
+    seed: int = 0
+    model: str | None = None
+
+    @property
+    def is_trace(self) -> bool:
+        return self.trace is not None
+
+    def __len__(self) -> int:
+        return len(self.trace) if self.trace is not None else len(self.requests)
+
+
+_SCENARIO_KEYS = {"name", "description", "requests", "generate", "trace", "block_size", "capacity", "max_new_tokens",
+                  "seed", "model"}
+_REQUEST_KEYS = {"text", "messages", "tokens", "conversation", "namespace", "timestamp", "max_new_tokens", "repeat"}
+
+def parse_capacity(value: Any, where: str = "capacity") -> int | None:
+    """A capacity in tokens: a positive int, or "unlimited"/"inf"/None (None = unlimited). Raises ValueError."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("unlimited", "inf", "none")):
+        return None
+    if isinstance(value, str):
+        s = value.strip().lower().replace("_", "").replace(",", "")
+        mult = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}.get(s[-1:], 1)
+        try:
+            number = float(s[:-1] if mult > 1 else s) * mult
+        except ValueError:
+            raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}") from None
+        if not math.isfinite(number) or number != int(number):
+            raise ValueError(f"{where}: expected a whole number of tokens or 'unlimited', got {value!r}")
+        value = int(number)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{where} must be > 0, got {value}")
+    return value
+
+
+def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) -> list[ScenarioRequest]:
+    line = ctx.line_of(r) or list_line
+    ctx.check_keys(r, _REQUEST_KEYS, f"request {index + 1}", line)
+    kinds = [k for k in ("text", "messages", "tokens") if k in r]
+    if len(kinds) != 1:
+        raise ctx.fail(f"request {index + 1} needs exactly one of text / messages / tokens, got "
+                       f"{', '.join(kinds) or 'none'}", line)
+    kw: dict[str, Any] = {"line": line}
+    if "text" in r:
+        if not isinstance(r["text"], str) or not r["text"]:
+            raise ctx.fail("text must be a non-empty string", ctx.line_of(r, "text"))
+        kw["text"] = r["text"]
+    elif "messages" in r:
+        msgs = r["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ctx.fail("messages must be a non-empty list of {role, content}", ctx.line_of(r, "messages"))
+        out = []
+        for m in msgs:
+            ml = ctx.line_of(m) or ctx.line_of(r, "messages")
+            ctx.check_keys(m, {"role", "content"}, "a message", ml)
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ctx.fail("a message needs a string role and a string content", ml)
+            out.append(Message(m["role"], m["content"]))
+        kw["messages"] = tuple(out)
+    else:
+        toks = r["tokens"]
+        if not isinstance(toks, list) or not toks or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                         for t in toks):
+            raise ctx.fail("tokens must be a non-empty list of integers >= 0", ctx.line_of(r, "tokens"))
+        kw["tokens"] = tuple(toks)
+    if "conversation" in r:
+        if "messages" not in r:
+            raise ctx.fail("conversation needs messages (a multi-turn chat)", ctx.line_of(r, "conversation"))
+        kw["conversation"] = str(r["conversation"])
+    if "namespace" in r:
+        if not isinstance(r["namespace"], str) or not r["namespace"]:
+            raise ctx.fail("namespace must be a non-empty string", ctx.line_of(r, "namespace"))
+        kw["namespace"] = r["namespace"]
+    if "timestamp" in r:
+        ts = r["timestamp"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+            raise ctx.fail(f"timestamp must be a number, got {ts!r}", ctx.line_of(r, "timestamp"))
+        kw["timestamp"] = float(ts)
+    if "max_new_tokens" in r:
+        kw["max_new_tokens"] = pos_int(ctx, r["max_new_tokens"], "max_new_tokens", ctx.line_of(r, "max_new_tokens"))
+    repeat = pos_int(ctx, r.get("repeat", 1), "repeat", ctx.line_of(r, "repeat"))
+    return [ScenarioRequest(**kw)] * repeat
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read a scenario YAML file (format: scenarios/README.md), expanding generators. Changes nothing.
+
+    Raises InputError naming the file, line and key for malformed YAML, unknown keys or bad values.
+    A ``.jsonl``/``.jsonl.gz`` path is read as a hash-id trace and wrapped in a Scenario.
+    """
+    path = Path(path)
+    if is_trace_path(path):
+        trace = load_trace(path)
+        return Scenario(name=path.name, path=str(path), trace=trace, block_size=trace.block_size)
+    if not path.is_file():
+        raise InputError("no such scenario file", path)
+    ctx = YamlContext(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read scenario: {exc}", path) from None
+    try:
+        doc = yaml.load(text, Loader=LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except InputError as exc:
+        raise InputError(exc.message, path, exc.line) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise InputError(f"malformed YAML: {problem}", path, mark.line + 1 if mark else None) from None
+    ctx.check_keys(doc, _SCENARIO_KEYS, "the scenario", 1)
+    sources = [k for k in ("requests", "generate", "trace") if k in doc]
+    if not sources:
+        raise ctx.fail("a scenario needs requests, generate or trace", 1)
+    if "trace" in doc and len(sources) > 1:
+        raise ctx.fail("trace cannot be combined with requests or generate", ctx.line_of(doc, "trace"))
+    block_size = None
+    if "block_size" in doc:
+        block_size = pos_int(ctx, doc["block_size"], "block_size", ctx.line_of(doc, "block_size"))
+    caps: list[int | None] = []
+    if "capacity" in doc:
+        raw = doc["capacity"] if isinstance(doc["capacity"], list) else [doc["capacity"]]
+        for c in raw:
+            try:
+                cap = parse_capacity(c)
+            except ValueError as exc:
+                raise ctx.fail(str(exc), ctx.line_of(doc, "capacity")) from None
+            caps.append(cap)
+    max_new = pos_int(ctx, doc.get("max_new_tokens", 16), "max_new_tokens", ctx.line_of(doc, "max_new_tokens"))
+    seed = pos_int(ctx, doc.get("seed", 0), "seed", ctx.line_of(doc, "seed"), minimum=0)
+    model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ctx.fail("model must be a string (preset name or path)", ctx.line_of(doc, "model"))
+    common = dict(name=str(doc.get("name", path.stem)), path=str(path), description=str(doc.get("description", "")),
+                  capacity=tuple(caps), max_new_tokens=max_new, seed=seed, model=model)
+    if "trace" in doc:
+        tp = doc["trace"]
+        if not isinstance(tp, str):
+            raise ctx.fail("trace must be a file path", ctx.line_of(doc, "trace"))
+        tpath = (path.parent / tp) if not Path(tp).is_absolute() else Path(tp)
+        trace = load_trace(tpath, block_size)
+        return Scenario(trace=trace, block_size=trace.block_size, **common)
+    requests: list[ScenarioRequest] = []
+    if "requests" in doc:
+        reqs = doc["requests"]
+        if not isinstance(reqs, list) or not reqs:
+            raise ctx.fail("requests must be a non-empty list", ctx.line_of(doc, "requests"))
+        for i, r in enumerate(reqs):
+            requests.extend(_parse_request(ctx, r, i, ctx.line_of(doc, "requests")))
+    if "generate" in doc:
+        requests.extend(run_generators(doc["generate"], seed, ctx))
+    return Scenario(requests=tuple(requests), block_size=block_size, **common)
+

@@ -1,0 +1,216 @@
+"""Hash-id traces and their loader.
+
+A **trace** of Mooncake-style lines ``{"timestamp", "input_length", "output_length", "hash_ids"}`` (plain
+  or ``.gz`` JSONL; kv-cache-tester lines add ``session``, ``trace_id``, ``agent``, ``block_size``).
+  ``load_trace(path)`` returns a :class:`Trace`: a read-only sequence of :class:`TraceRequest`, stored
+  column-wise (one flat int64 array of all hash ids) so a 94M-reference trace fits in memory.
+
+Every problem with user input raises :class:`InputError`, whose message names the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterator, Sequence, overload
+
+import numpy as np
+
+from prefixcache.core import DEFAULT_NAMESPACE
+from prefixcache.core.errors import InputError
+
+MOONCAKE_BLOCK_SIZE = 512  # the Mooncake traces' block size; lines may override it with "block_size"
+TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".gz")
+_TRACE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids", "session", "trace_id", "agent", "block_size"}
+
+
+
+# ---- traces ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceRequest:
+    """One line of a hash-id trace. ``hash_ids[i]`` names block i together with everything before it."""
+
+    hash_ids: tuple[int, ...]
+    input_length: int
+    output_length: int = 0
+    timestamp: float = 0.0  # milliseconds
+    namespace: str = DEFAULT_NAMESPACE  # the kv-tester "session", else "default"
+    line: int = 0  # 1-based line in the file (0 when built in code)
+
+
+class Trace(Sequence[TraceRequest]):
+    """A loaded hash-id trace: a read-only sequence of TraceRequest, stored column-wise.
+
+    ``ids`` is every request's hash ids back to back (int64) and ``offsets[i]:offsets[i+1]`` selects request
+    i's; ``hash_ids(i)`` is that view. Bulk users (curves, benchmarks) should read the arrays directly.
+    """
+
+    def __init__(self, path: str, block_size: int, ids: np.ndarray, offsets: np.ndarray, input_length: np.ndarray,
+                 output_length: np.ndarray, timestamp: np.ndarray, namespace: list[str], lines: np.ndarray) -> None:
+        self.path, self.block_size = path, block_size
+        self.ids, self.offsets = ids, offsets
+        self.input_length, self.output_length, self.timestamp = input_length, output_length, timestamp
+        self.namespace, self.lines = namespace, lines
+
+    def __len__(self) -> int:
+        return len(self.input_length)
+
+    @overload
+    def __getitem__(self, i: int) -> TraceRequest: ...
+    @overload
+    def __getitem__(self, i: slice) -> "Trace": ...
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return self.take(np.arange(len(self))[i])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"request {i} out of range (trace has {len(self)})")
+        return TraceRequest(tuple(self.hash_ids(i).tolist()), int(self.input_length[i]), int(self.output_length[i]),
+                            float(self.timestamp[i]), self.namespace[i], int(self.lines[i]))
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def hash_ids(self, i: int) -> np.ndarray:
+        """Request i's hash ids (a view into ``ids``)."""
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def num_blocks(self) -> int:
+        """Block references in the whole trace."""
+        return int(self.offsets[-1])
+
+    def unique_blocks(self) -> int:
+        """Distinct (namespace, hash id) pairs: the pool size at which nothing is ever evicted."""
+        if len(set(self.namespace)) <= 1:
+            return int(np.unique(self.ids).size)
+        groups: dict[str, list[int]] = {}
+        for i, ns in enumerate(self.namespace):
+            groups.setdefault(ns, []).append(i)
+        return sum(int(np.unique(np.concatenate([self.hash_ids(i) for i in idx])).size) for idx in groups.values())
+
+    def take(self, index: np.ndarray) -> "Trace":
+        """A new trace holding requests ``index`` (in that order)."""
+        index = np.asarray(index, dtype=np.int64)
+        lens = np.diff(self.offsets)[index]
+        offsets = np.zeros(len(index) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        ids = np.concatenate([self.hash_ids(int(i)) for i in index]) if len(index) else np.zeros(0, np.int64)
+        return Trace(self.path, self.block_size, ids, offsets, self.input_length[index], self.output_length[index],
+                     self.timestamp[index], [self.namespace[int(i)] for i in index], self.lines[index])
+
+    def by_timestamp(self) -> "Trace":
+        """Requests stably sorted by timestamp (e.g. kv-tester sessions interleaved)."""
+        return self.take(np.argsort(self.timestamp, kind="stable"))
+
+
+def is_trace_path(path: str | Path) -> bool:
+    """True when the file name says JSONL hash-id trace (``.jsonl``, ``.jsonl.gz``, ...)."""
+    name = str(path).lower()
+    return name.endswith(TRACE_SUFFIXES)
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _int_field(d: dict, key: str, path: Path, line: int, *, required: bool, minimum: int = 0) -> int:
+    if key not in d:
+        if required:
+            raise InputError(f"missing field {key!r}", path, line)
+        return 0
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise InputError(f"{key} must be an integer >= {minimum}, got {v!r}", path, line)
+    return v
+
+
+def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
+    """Read a Mooncake-style JSONL trace (plain or .gz). Changes nothing.
+
+    ``block_size``: tokens per hash id; default: each line's ``block_size`` field, else 512 (Mooncake).
+    Checks every line: valid JSON object, known keys only, ``len(hash_ids) == ceil(input_length / block_size)``
+    (Mooncake: the last, partial block has an id) or ``floor(...)`` (kv-cache-tester lists full blocks only).
+    Raises InputError naming the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("no such trace file", path)
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+        raise InputError(f"block size must be a positive integer, got {block_size!r}", path)
+    chunks: list[np.ndarray] = []
+    lens: list[int] = []
+    input_length: list[int] = []
+    output_length: list[int] = []
+    timestamp: list[float] = []
+    namespace: list[str] = []
+    lines: list[int] = []
+    bs_seen: int | None = None
+    loads = json.loads
+    try:
+        with _open_text(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    d = loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"not valid JSON ({exc.msg}, column {exc.colno})", path, lineno) from None
+                if not isinstance(d, dict):
+                    raise InputError(f"expected a JSON object, got {type(d).__name__}", path, lineno)
+                if not d.keys() <= _TRACE_KEYS:
+                    bad = sorted(d.keys() - _TRACE_KEYS)[0]
+                    raise InputError(f"unknown key {bad!r}; known: {', '.join(sorted(_TRACE_KEYS))}", path, lineno)
+                ids = d.get("hash_ids")
+                if not isinstance(ids, list) or not ids:
+                    raise InputError("hash_ids must be a non-empty list of integers", path, lineno)
+                n_in = _int_field(d, "input_length", path, lineno, required=True, minimum=1)
+                bs = d.get("block_size", block_size or MOONCAKE_BLOCK_SIZE)
+                if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
+                    raise InputError(f"block_size must be a positive integer, got {bs!r}", path, lineno)
+                if block_size is not None and bs != block_size:
+                    raise InputError(f"line says block_size {bs} but {block_size} was asked for", path, lineno)
+                if bs_seen is None:
+                    bs_seen = bs
+                elif bs != bs_seen:
+                    raise InputError(f"block_size {bs} differs from earlier lines' {bs_seen}", path, lineno)
+                if len(ids) != -(-n_in // bs) and len(ids) != n_in // bs:  # Mooncake: ceil; kv-tester: floor
+                    raise InputError(
+                        f"{len(ids)} hash_ids for input_length {n_in}: expected ceil({n_in}/{bs}) = {-(-n_in // bs)}"
+                        f" (block size {bs}; pass --block-size if the trace uses another)", path, lineno)
+                ts = d.get("timestamp", 0)
+                if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+                    raise InputError(f"timestamp must be a number, got {ts!r}", path, lineno)
+                arr = np.asarray(ids)
+                if arr.dtype.kind != "i" or arr.ndim != 1:
+                    bad = next((h for h in ids if isinstance(h, bool) or not isinstance(h, int)
+                                or not -2**63 <= h < 2**63), ids[0])
+                    raise InputError(f"hash_ids must hold 64-bit integers, found {bad!r}", path, lineno)
+                session = d.get("session")
+                chunks.append(arr)
+                lens.append(len(ids))
+                input_length.append(n_in)
+                output_length.append(_int_field(d, "output_length", path, lineno, required=False))
+                timestamp.append(float(ts))
+                namespace.append(DEFAULT_NAMESPACE if session is None else f"session-{session}")
+                lines.append(lineno)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read trace: {exc}", path) from None
+    if not chunks:
+        raise InputError("trace holds no requests", path)
+    ids_arr = np.concatenate(chunks).astype(np.int64, copy=False)
+    del chunks
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return Trace(str(path), bs_seen or MOONCAKE_BLOCK_SIZE, ids_arr, offsets, np.array(input_length, np.int64),
+                 np.array(output_length, np.int64), np.array(timestamp, np.float64), namespace,
+                 np.array(lines, np.int64))
+
+

@@ -1,0 +1,70 @@
+"""A YAML loader that remembers lines, and a context that turns problems into InputError with file:line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prefixcache.core.errors import InputError
+
+
+class LineLoader(yaml.SafeLoader):
+    """SafeLoader whose mappings remember their line (``LineMap.line``) and each key's line."""
+
+
+class LineMap(dict):
+    line: int = 0
+    key_lines: dict
+
+
+def _construct_map(loader: LineLoader, node: yaml.MappingNode) -> LineMap:
+    loader.flatten_mapping(node)
+    m = LineMap()
+    m.line = node.start_mark.line + 1
+    m.key_lines = {}
+    for knode, vnode in node.value:
+        key = loader.construct_object(knode, deep=True)
+        if not isinstance(key, (str, int, float, bool)) or key is None:
+            raise InputError(f"mapping keys must be plain scalars, got {key!r}", None, knode.start_mark.line + 1)
+        if key in m:
+            raise InputError(f"duplicate key {key!r}", None, knode.start_mark.line + 1)
+        m[key] = loader.construct_object(vnode, deep=True)
+        m.key_lines[key] = knode.start_mark.line + 1
+    return m
+
+
+LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_map)
+
+
+class YamlContext:
+    """Where we are while validating: the file, for error messages."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, message: str, line: int | None = None) -> InputError:
+        return InputError(message, self.path, line)
+
+    def check_keys(self, m: Any, known: set[str], what: str, line: int | None) -> LineMap:
+        if not isinstance(m, dict):
+            raise self.fail(f"{what} must be a mapping, got {type(m).__name__}", line)
+        for k in m:
+            if k not in known:
+                kl = getattr(m, "key_lines", {}).get(k, line)
+                raise self.fail(f"unknown key {k!r} in {what}; known: {', '.join(sorted(known))}", kl)
+        return m  # type: ignore[return-value]
+
+    def line_of(self, m: Any, key: str | None = None) -> int | None:
+        if key is not None and hasattr(m, "key_lines") and key in m.key_lines:
+            return m.key_lines[key]
+        return getattr(m, "line", None)
+
+
+def pos_int(ctx: YamlContext, v: Any, what: str, line: int | None, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ctx.fail(f"{what} must be an integer >= {minimum}, got {v!r}", line)
+    return v
+
+

@@ -68,10 +68,20 @@ def bench_mooncake(repeat: int) -> list[dict]:
             t, (hb, ht) = timed(lambda: replay(tr, c), repeat)
             t_replays += t
             assert (curve.hits(c), curve.hits(c, "tokens")) == (hb, ht), f"{name}: curve != replay at {c} blocks"
-        rows.append({"trace": name, "requests": len(tr), "block_refs": tr.num_blocks, "working_set": W,
-                     "curve_s": t_curve, "three_replays_s": t_replays, "ratio": t_replays / t_curve,
-                     "rate_1000": curve.hit_rate(1000), "rate_10000": curve.hit_rate(10_000),
-                     "rate_unlimited": curve.hit_rate(W)})
+        rows.append(
+            {
+                "trace": name,
+                "requests": len(tr),
+                "block_refs": tr.num_blocks,
+                "working_set": W,
+                "curve_s": t_curve,
+                "three_replays_s": t_replays,
+                "ratio": t_replays / t_curve,
+                "rate_1000": curve.hit_rate(1000),
+                "rate_10000": curve.hit_rate(10_000),
+                "rate_unlimited": curve.hit_rate(W),
+            }
+        )
     return rows
 
 
@@ -94,11 +104,20 @@ def bench_kvtester(check_replay: bool) -> list[dict]:
         nu = next_uses(nt)
         opt = {c: optimal_hits(nt, c, nu=nu).hit_blocks / curve.total_blocks for c in (10_000, 100_000, 1_000_000)}
         t_opt = time.perf_counter() - t3
-        row = {"order": order, "requests": len(tr), "block_refs": tr.num_blocks, "working_set": nt.num_nodes,
-               "load_s": t_load, "sort_s": t_sort, "nodes_s": t_nodes, "curve_s": t_curve,
-               "total_s": t_load + t_sort + t_nodes + t_curve, "optimal_3_caps_s": t_opt,
-               "lru": {c: curve.hit_rate(c) for c in (1_000, 10_000, 100_000, 1_000_000, nt.num_nodes)},
-               "optimal": opt}
+        row = {
+            "order": order,
+            "requests": len(tr),
+            "block_refs": tr.num_blocks,
+            "working_set": nt.num_nodes,
+            "load_s": t_load,
+            "sort_s": t_sort,
+            "nodes_s": t_nodes,
+            "curve_s": t_curve,
+            "total_s": t_load + t_sort + t_nodes + t_curve,
+            "optimal_3_caps_s": t_opt,
+            "lru": {c: curve.hit_rate(c) for c in (1_000, 10_000, 100_000, 1_000_000, nt.num_nodes)},
+            "optimal": opt,
+        }
         if check_replay and order == "timestamp":
             t4 = time.perf_counter()
             hb, _ = replay(tr, 100_000)
@@ -119,8 +138,15 @@ def bench_fig9() -> list[dict]:
     for tokens, paper in FIG9:
         c = tokens // tr.block_size
         o = optimal_hits(nt, c, nu=nu, unlimited_tokens=unl_t)
-        rows.append({"tokens": tokens, "blocks": c, "paper": paper, "lru": curve.hit_rate(c, "tokens"),
-                     "optimal_bound": o.hit_tokens / curve.total_tokens})
+        rows.append(
+            {
+                "tokens": tokens,
+                "blocks": c,
+                "paper": paper,
+                "lru": curve.hit_rate(c, "tokens"),
+                "optimal_bound": o.hit_tokens / curve.total_tokens,
+            }
+        )
     return rows
 
 
@@ -128,8 +154,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="Mooncake parts only (skip the 94M-reference trace)")
-    ap.add_argument("--check-kvtester-replay", action="store_true",
-                    help="also replay the interleaved kv-tester trace at 100,000 blocks and compare (slow)")
+    ap.add_argument(
+        "--check-kvtester-replay",
+        action="store_true",
+        help="also replay the interleaved kv-tester trace at 100,000 blocks and compare (slow)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not TRACES.is_dir():
@@ -137,46 +166,99 @@ def main() -> None:
     out: dict = {}
 
     out["mooncake"] = rows = bench_mooncake(args.repeat)
-    t = Table(title=f"(a) Full LRU curve vs 3 single-capacity replays (1,000 / 10,000 / unlimited blocks), "
-                    f"median of {args.repeat}", title_justify="left")
-    for h in ("trace", "requests", "block refs", "curve s", "3 replays s", "replays / curve",
-              "hit@1k", "hit@10k", "hit@unl"):
+    t = Table(
+        title=f"(a) Full LRU curve vs 3 single-capacity replays (1,000 / 10,000 / unlimited blocks), "
+        f"median of {args.repeat}",
+        title_justify="left",
+    )
+    for h in (
+        "trace",
+        "requests",
+        "block refs",
+        "curve s",
+        "3 replays s",
+        "replays / curve",
+        "hit@1k",
+        "hit@10k",
+        "hit@unl",
+    ):
         t.add_column(h, justify="left" if h == "trace" else "right")
     for r in rows:
-        t.add_row(r["trace"], f"{r['requests']:,}", f"{r['block_refs']:,}", f"{r['curve_s']:.3f}",
-                  f"{r['three_replays_s']:.3f}", f"{r['ratio']:.1f}x", f"{r['rate_1000']:.4f}",
-                  f"{r['rate_10000']:.4f}", f"{r['rate_unlimited']:.4f}")
+        t.add_row(
+            r["trace"],
+            f"{r['requests']:,}",
+            f"{r['block_refs']:,}",
+            f"{r['curve_s']:.3f}",
+            f"{r['three_replays_s']:.3f}",
+            f"{r['ratio']:.1f}x",
+            f"{r['rate_1000']:.4f}",
+            f"{r['rate_10000']:.4f}",
+            f"{r['rate_unlimited']:.4f}",
+        )
     console.print(t)
 
     out["fig9"] = rows = bench_fig9()
-    t = Table(title="(c) Mooncake synthetic trace, token-weighted, blocks of 512: ours vs the paper's Figure 9",
-              title_justify="left")
+    t = Table(
+        title="(c) Mooncake synthetic trace, token-weighted, blocks of 512: ours vs the paper's Figure 9",
+        title_justify="left",
+    )
     for h in ("capacity (tokens)", "blocks", "paper (Fig. 9)", "LRU (ours)", "optimal bound"):
         t.add_column(h, justify="right")
     for r in rows:
-        t.add_row(f"{r['tokens']:,}", f"{r['blocks']:,}", f"~{r['paper']:.0%}", f"{r['lru']:.1%}",
-                  f"{r['optimal_bound']:.1%}")
+        t.add_row(
+            f"{r['tokens']:,}", f"{r['blocks']:,}", f"~{r['paper']:.0%}", f"{r['lru']:.1%}", f"{r['optimal_bound']:.1%}"
+        )
     console.print(t)
 
     if not args.quick:
         out["kvtester"] = rows = bench_kvtester(args.check_kvtester_replay)
-        t = Table(title="(b) kv-cache-tester trace: full LRU curve (seconds), block-weighted hit rates",
-                  title_justify="left")
-        for h in ("order", "block refs", "load", "sort", "nodes", "curve", "total", "LRU@10k", "LRU@100k",
-                  "LRU@1M", "unlimited", "opt@10k", "opt@100k", "opt@1M", "opt 3 caps s"):
+        t = Table(
+            title="(b) kv-cache-tester trace: full LRU curve (seconds), block-weighted hit rates", title_justify="left"
+        )
+        for h in (
+            "order",
+            "block refs",
+            "load",
+            "sort",
+            "nodes",
+            "curve",
+            "total",
+            "LRU@10k",
+            "LRU@100k",
+            "LRU@1M",
+            "unlimited",
+            "opt@10k",
+            "opt@100k",
+            "opt@1M",
+            "opt 3 caps s",
+        ):
             t.add_column(h, justify="right")
         for r in rows:
             W = r["working_set"]
-            t.add_row(r["order"], f"{r['block_refs']:,}", f"{r['load_s']:.1f}", f"{r['sort_s']:.1f}",
-                      f"{r['nodes_s']:.1f}", f"{r['curve_s']:.1f}", f"{r['total_s']:.1f}",
-                      f"{r['lru'][10_000]:.4f}", f"{r['lru'][100_000]:.4f}", f"{r['lru'][1_000_000]:.4f}",
-                      f"{r['lru'][W]:.4f}", f"{r['optimal'][10_000]:.4f}", f"{r['optimal'][100_000]:.4f}",
-                      f"{r['optimal'][1_000_000]:.4f}", f"{r['optimal_3_caps_s']:.1f}")
+            t.add_row(
+                r["order"],
+                f"{r['block_refs']:,}",
+                f"{r['load_s']:.1f}",
+                f"{r['sort_s']:.1f}",
+                f"{r['nodes_s']:.1f}",
+                f"{r['curve_s']:.1f}",
+                f"{r['total_s']:.1f}",
+                f"{r['lru'][10_000]:.4f}",
+                f"{r['lru'][100_000]:.4f}",
+                f"{r['lru'][1_000_000]:.4f}",
+                f"{r['lru'][W]:.4f}",
+                f"{r['optimal'][10_000]:.4f}",
+                f"{r['optimal'][100_000]:.4f}",
+                f"{r['optimal'][1_000_000]:.4f}",
+                f"{r['optimal_3_caps_s']:.1f}",
+            )
         console.print(t)
         for r in rows:
             if "replay_100000_s" in r:
-                console.print(f"kv-tester interleaved: replay at 100,000 blocks took {r['replay_100000_s']:.1f} s "
-                              "and equals the curve")
+                console.print(
+                    f"kv-tester interleaved: replay at 100,000 blocks took {r['replay_100000_s']:.1f} s "
+                    "and equals the curve"
+                )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str))
         console.print(f"JSON written to {args.json}")

@@ -25,8 +25,10 @@ from prefixcache.sim.replay import simulate_trace
 from prefixcache.workload.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
-MOONCAKE = {"mooncake_conversation_trace.jsonl": (1_000, 10_000, None),
-            "mooncake_synthetic_trace.jsonl": (1_000, 10_000, None)}
+MOONCAKE = {
+    "mooncake_conversation_trace.jsonl": (1_000, 10_000, None),
+    "mooncake_synthetic_trace.jsonl": (1_000, 10_000, None),
+}
 KVTESTER = "kvtester_claude_code_710sessions.jsonl.gz"
 
 
@@ -43,11 +45,22 @@ def bench_trace(name: str, capacities: tuple, rows: list[dict]) -> float:
         res = simulate_trace(trace, cap or unique, unlimited=cap is None)
         s = time.perf_counter() - t
         tot = res.totals()
-        rows.append({"trace": name, "requests": len(trace), "block_refs": trace.num_blocks,
-                     "block_size": trace.block_size, "capacity_blocks": cap, "pool_blocks": cap or unique,
-                     "load_s": load_s if k == 0 else 0.0, "replay_s": s,
-                     "refs_per_s": trace.num_blocks / s, "requests_per_s": len(trace) / s,
-                     "token_hit_rate": tot["token_hit_rate"], "block_hit_rate": tot["block_hit_rate"]})
+        rows.append(
+            {
+                "trace": name,
+                "requests": len(trace),
+                "block_refs": trace.num_blocks,
+                "block_size": trace.block_size,
+                "capacity_blocks": cap,
+                "pool_blocks": cap or unique,
+                "load_s": load_s if k == 0 else 0.0,
+                "replay_s": s,
+                "refs_per_s": trace.num_blocks / s,
+                "requests_per_s": len(trace) / s,
+                "token_hit_rate": tot["token_hit_rate"],
+                "block_hit_rate": tot["block_hit_rate"],
+            }
+        )
     return time.perf_counter() - t0
 
 
@@ -67,19 +80,38 @@ def main() -> None:
         summary["kvtester_total_s"] = bench_trace(KVTESTER, (args.kvtester_blocks,), rows)
         summary["kvtester_target_s"] = 120.0
     table = Table(title="simulate: model-free replay through PrefixCache (LRU, file order, no warm-up)")
-    for col in ("trace", "capacity (blocks)", "requests", "block refs", "load s", "replay s", "M refs/s",
-                "token hit", "block hit"):
+    for col in (
+        "trace",
+        "capacity (blocks)",
+        "requests",
+        "block refs",
+        "load s",
+        "replay s",
+        "M refs/s",
+        "token hit",
+        "block hit",
+    ):
         table.add_column(col, justify="left" if col == "trace" else "right")
     for r in rows:
-        table.add_row(r["trace"].split(".")[0].replace("_trace", "").replace("_claude_code_710sessions", ""), "unlimited" if r["capacity_blocks"] is None else f"{r['capacity_blocks']:,}",
-                      f"{r['requests']:,}", f"{r['block_refs']:,}", f"{r['load_s']:.2f}", f"{r['replay_s']:.2f}",
-                      f"{r['refs_per_s'] / 1e6:.2f}", f"{r['token_hit_rate']:.4f}", f"{r['block_hit_rate']:.4f}")
+        table.add_row(
+            r["trace"].split(".")[0].replace("_trace", "").replace("_claude_code_710sessions", ""),
+            "unlimited" if r["capacity_blocks"] is None else f"{r['capacity_blocks']:,}",
+            f"{r['requests']:,}",
+            f"{r['block_refs']:,}",
+            f"{r['load_s']:.2f}",
+            f"{r['replay_s']:.2f}",
+            f"{r['refs_per_s'] / 1e6:.2f}",
+            f"{r['token_hit_rate']:.4f}",
+            f"{r['block_hit_rate']:.4f}",
+        )
     console = Console()
     if not console.is_terminal:
         console = Console(width=130)
     console.print(table)
-    for key, label in (("mooncake", "both Mooncake traces, 3 capacities each, loading included"),
-                       ("kvtester", "kv-cache-tester trace, one capacity, loading included")):
+    for key, label in (
+        ("mooncake", "both Mooncake traces, 3 capacities each, loading included"),
+        ("kvtester", "kv-cache-tester trace, one capacity, loading included"),
+    ):
         if f"{key}_total_s" in summary:
             s, target = summary[f"{key}_total_s"], summary[f"{key}_target_s"]
             console.print(f"{label}: {s:.1f} s (target < {target:.0f} s) {'OK' if s < target else 'OVER'}")

@@ -184,7 +184,9 @@ def main() -> None:
     console.print(f"[dim]{len(reqs):,} requests, {need:,} distinct blocks[/]")
 
     for label, nb in (("synthetic, holds all", need), ("synthetic, 25%", max(1, need // 4))):
-        cache, res = best_of(args.repeat, lambda nb=nb: PrefixCache(CacheConfig(num_blocks=nb, block_size=bs)), run_tokens, reqs)
+        cache, res = best_of(
+            args.repeat, lambda nb=nb: PrefixCache(CacheConfig(num_blocks=nb, block_size=bs)), run_tokens, reqs
+        )
         rows.append(row(label, cache, *res))
 
     # 10x pool, 9x of it already cached with unrelated prompts: per-request cost must stay flat.
@@ -224,14 +226,35 @@ def main() -> None:
             rows.append(row(label, cache, *res))
 
     table = Table(title=f"PrefixCache tree throughput (match + commit + release; median of {args.repeat})")
-    for col in ("workload", "bs", "capacity tok", "requests", "prompt tok", "M tok/s", "µs/req", "p50 µs", "p99 µs",
-                "token hit", "block hit", "evicted"):
+    for col in (
+        "workload",
+        "bs",
+        "capacity tok",
+        "requests",
+        "prompt tok",
+        "M tok/s",
+        "µs/req",
+        "p50 µs",
+        "p99 µs",
+        "token hit",
+        "block hit",
+        "evicted",
+    ):
         table.add_column(col, justify="left" if col == "workload" else "right")
     for r in rows:
         table.add_row(
-            r["workload"], str(r["block_size"]), f"{r['capacity_tokens']:,}", f"{r['requests']:,}",
-            f"{r['prompt_tokens']:,}", f"{r['mtok_per_s']:.1f}", f"{r['us_per_request']:.1f}", f"{r['p50_us']:.1f}",
-            f"{r['p99_us']:.1f}", f"{r['token_hit_rate']:.3f}", f"{r['block_hit_rate']:.4f}", f"{r['blocks_evicted']:,}",
+            r["workload"],
+            str(r["block_size"]),
+            f"{r['capacity_tokens']:,}",
+            f"{r['requests']:,}",
+            f"{r['prompt_tokens']:,}",
+            f"{r['mtok_per_s']:.1f}",
+            f"{r['us_per_request']:.1f}",
+            f"{r['p50_us']:.1f}",
+            f"{r['p99_us']:.1f}",
+            f"{r['token_hit_rate']:.3f}",
+            f"{r['block_hit_rate']:.4f}",
+            f"{r['blocks_evicted']:,}",
         )
     console.print(table)
     base, big = rows[0], rows[2]

@@ -32,10 +32,12 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import PrefixCachedModel  # noqa: E402
-from engine import hf_cache  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from engine.replay import TTFTStreamer  # noqa: E402
+from engine import (
+    PrefixCachedModel,
+    hf_cache,
+)
+from engine.models import load_model
+from engine.replay import TTFTStreamer
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -88,6 +90,7 @@ def bench_generate_batch(model, prefix: list[int], suffixes: list[list[int]]) ->
         manager = model.init_continuous_batching(continuous_batching_config=config)
         manager.start()
         try:
+
             def serve(ids: list[int], new: int) -> None:
                 rid = manager.add_request(input_ids=ids, max_new_tokens=new)
                 while True:
@@ -116,10 +119,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="requests per variant (default 7, --quick 3)")
     ap.add_argument("--quick", action="store_true", help="fewer repeats, skip generate_batch")
     ap.add_argument("--no-generate-batch", action="store_true")
-    ap.add_argument("--batch", type=int, default=8,
-                    help="also time a left-padded batch of this many rows, raw vs wrapper (0: skip)")
-    ap.add_argument("--decode", type=int, default=32,
-                    help="also time whole calls generating this many tokens after a hit (0: skip)")
+    ap.add_argument(
+        "--batch", type=int, default=8, help="also time a left-padded batch of this many rows, raw vs wrapper (0: skip)"
+    )
+    ap.add_argument(
+        "--decode", type=int, default=32, help="also time whole calls generating this many tokens after a hit (0: skip)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
@@ -145,8 +150,10 @@ def main() -> None:
     def first(m, ids: list[int]) -> tuple[float, float]:
         return _timed_first_token(lambda st: gen(m, ids, st))
 
-    console.print(f"[bold]{args.model}[/]: {n_params / 1e6:.1f}M params, {torch.get_num_threads()} threads, "
-                  f"prompt = {args.prefix} shared + {args.suffix} new tokens, {repeats} repeats")
+    console.print(
+        f"[bold]{args.model}[/]: {n_params / 1e6:.1f}M params, {torch.get_num_threads()} threads, "
+        f"prompt = {args.prefix} shared + {args.suffix} new tokens, {repeats} repeats"
+    )
     gen(model, toks(32))  # warm kernels
     # uncached vs wrapper on never-seen prompts (interleaved): also the miss overhead
     raw, miss = [], []
@@ -174,8 +181,11 @@ def main() -> None:
             ideal.append(_timed(lambda: model(input_ids=ids, use_cache=True, **{kw: ready}).logits[:, -1].argmax(-1)))
             ready = hf_cache.fresh_cache(model, [(k.clone(), v.clone()) for k, v in prefix_kv])
             ids = torch.tensor([prefix + s_gen])
-            ready_gen.append(_timed_first_token(
-                lambda st: model.generate(ids, max_new_tokens=1, do_sample=False, streamer=st, **{kw: ready})))
+            ready_gen.append(
+                _timed_first_token(
+                    lambda st: model.generate(ids, max_new_tokens=1, do_sample=False, streamer=st, **{kw: ready})
+                )
+            )
     (ttft_cached, call_cached), (ttft_ready_gen, call_ready_gen) = _medians(cached), _medians(ready_gen)
     ttft_ideal = statistics.median(ideal)
 
@@ -192,14 +202,27 @@ def main() -> None:
         for _ in range(max(3, repeats // 2)):
             ids = torch.tensor([prefix + toks(args.suffix)])
             with torch.inference_mode():
-                dec_cached.append(_timed(lambda: pcm.generate(ids, max_new_tokens=args.decode, do_sample=False,
-                                                              min_new_tokens=args.decode)))
+                dec_cached.append(
+                    _timed(
+                        lambda: pcm.generate(
+                            ids, max_new_tokens=args.decode, do_sample=False, min_new_tokens=args.decode
+                        )
+                    )
+                )
                 ready = hf_cache.fresh_cache(model, [(k.clone(), v.clone()) for k, v in prefix_kv])
                 ids = torch.tensor([prefix + toks(args.suffix)])
-                dec_ready.append(_timed(lambda: model.generate(ids, max_new_tokens=args.decode, do_sample=False,
-                                                               min_new_tokens=args.decode, **{kw: ready})))
-        decode = {"decode_tokens": args.decode, "call_cached_decode_s": statistics.median(dec_cached),
-                  "call_generate_ready_cache_decode_s": statistics.median(dec_ready)}
+                dec_ready.append(
+                    _timed(
+                        lambda: model.generate(
+                            ids, max_new_tokens=args.decode, do_sample=False, min_new_tokens=args.decode, **{kw: ready}
+                        )
+                    )
+                )
+        decode = {
+            "decode_tokens": args.decode,
+            "call_cached_decode_s": statistics.median(dec_cached),
+            "call_generate_ready_cache_decode_s": statistics.median(dec_ready),
+        }
 
     # a left-padded batch: rows of different lengths behind one shared system prompt, 16 new tokens each
     batch = {}
@@ -212,15 +235,18 @@ def main() -> None:
             ids = torch.zeros((len(rows), width), dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, r in enumerate(rows):
-                ids[i, width - len(r):] = torch.tensor(r)
-                mask[i, width - len(r):] = 1
+                ids[i, width - len(r) :] = torch.tensor(r)
+                mask[i, width - len(r) :] = 1
             return ids, mask
 
         def run_batch(m, shared: bool) -> float:
             ids, mask = padded_batch(shared)
             with torch.inference_mode():
-                return _timed(lambda: m.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16,
-                                                 do_sample=False, pad_token_id=0))
+                return _timed(
+                    lambda: m.generate(
+                        ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
+                    )
+                )
 
         pcm.generate(torch.tensor([system + toks(8)]), max_new_tokens=1)  # the system prompt is cached
         b_raw, b_miss, b_hit = [], [], []
@@ -228,8 +254,12 @@ def main() -> None:
             b_raw.append(run_batch(model, True))
             b_miss.append(run_batch(pcm, False))
             b_hit.append(run_batch(pcm, True))
-        batch = {"batch_rows": args.batch, "batch_call_raw_s": statistics.median(b_raw),
-                 "batch_call_miss_s": statistics.median(b_miss), "batch_call_hit_s": statistics.median(b_hit)}
+        batch = {
+            "batch_rows": args.batch,
+            "batch_call_raw_s": statistics.median(b_raw),
+            "batch_call_miss_s": statistics.median(b_miss),
+            "batch_call_hit_s": statistics.median(b_hit),
+        }
 
     gb = None
     if not (args.quick or args.no_generate_batch):
@@ -239,14 +269,27 @@ def main() -> None:
             console.print(f"[red]generate_batch failed: {exc!r}[/]")
 
     result = {
-        "model": args.model, "params": n_params, "prefix_tokens": args.prefix, "suffix_tokens": args.suffix,
-        "repeats": repeats, "threads": torch.get_num_threads(),
-        "ttft_uncached_s": ttft_uncached, "ttft_cached_s": ttft_cached, "ttft_ideal_s": ttft_ideal,
-        "ttft_miss_s": ttft_miss, "ttft_generate_ready_cache_s": ttft_ready_gen,
-        "call_uncached_s": call_uncached, "call_cached_s": call_cached, "call_miss_s": call_miss,
-        "call_generate_ready_cache_s": call_ready_gen, "call_miss_overhead_ratio": call_miss / call_uncached, "miss_overhead_ratio": ttft_miss / ttft_uncached,
-        "cached_over_ideal": ttft_cached / ttft_ideal, "speedup": ttft_uncached / ttft_cached,
-        "gather_s": gather_s, "gather_tokens": args.prefix,
+        "model": args.model,
+        "params": n_params,
+        "prefix_tokens": args.prefix,
+        "suffix_tokens": args.suffix,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "ttft_uncached_s": ttft_uncached,
+        "ttft_cached_s": ttft_cached,
+        "ttft_ideal_s": ttft_ideal,
+        "ttft_miss_s": ttft_miss,
+        "ttft_generate_ready_cache_s": ttft_ready_gen,
+        "call_uncached_s": call_uncached,
+        "call_cached_s": call_cached,
+        "call_miss_s": call_miss,
+        "call_generate_ready_cache_s": call_ready_gen,
+        "call_miss_overhead_ratio": call_miss / call_uncached,
+        "miss_overhead_ratio": ttft_miss / ttft_uncached,
+        "cached_over_ideal": ttft_cached / ttft_ideal,
+        "speedup": ttft_uncached / ttft_cached,
+        "gather_s": gather_s,
+        "gather_tokens": args.prefix,
         "ttft_generate_batch_s": gb["ttft_s"] if gb else None,
         "generate_batch_matched_tokens": gb["matched_tokens"] if gb else None,
         **decode,
@@ -257,8 +300,13 @@ def main() -> None:
         table.add_column(col, justify="right" if col != "variant" else "left")
 
     def row(name: str, t: float, call: float | None) -> None:
-        table.add_row(name, f"{t * 1e3:.1f}", "" if call is None else f"{call * 1e3:.1f}",
-                      f"{t / ttft_ideal:.2f}x", f"{ttft_uncached / t:.2f}x")
+        table.add_row(
+            name,
+            f"{t * 1e3:.1f}",
+            "" if call is None else f"{call * 1e3:.1f}",
+            f"{t / ttft_ideal:.2f}x",
+            f"{ttft_uncached / t:.2f}x",
+        )
 
     row("uncached model.generate", ttft_uncached, call_uncached)
     row("PrefixCachedModel, miss (never-seen prompt)", ttft_miss, call_miss)
@@ -266,23 +314,32 @@ def main() -> None:
     row("ideal: bare forward, ready cache", ttft_ideal, None)
     row("model.generate with a ready cache", ttft_ready_gen, call_ready_gen)
     if gb:
-        row(f"generate_batch + block sharing (hit {gb['matched_tokens'][0] if gb['matched_tokens'] else 0} tok)",
-            gb["ttft_s"], gb["ttft_s"])
+        row(
+            f"generate_batch + block sharing (hit {gb['matched_tokens'][0] if gb['matched_tokens'] else 0} tok)",
+            gb["ttft_s"],
+            gb["ttft_s"],
+        )
     table.add_row(f"gather {args.prefix} tokens of KV", f"{gather_s * 1e3:.1f}", "", "", "")
     console.print(table)
     if decode:
         c, r = decode["call_cached_decode_s"], decode["call_generate_ready_cache_decode_s"]
-        console.print(f"hit + {args.decode} generated tokens, whole call: PrefixCachedModel {c * 1e3:.0f} ms, "
-                      f"model.generate with a ready DynamicCache {r * 1e3:.0f} ms ({r / c:.2f}x)")
+        console.print(
+            f"hit + {args.decode} generated tokens, whole call: PrefixCachedModel {c * 1e3:.0f} ms, "
+            f"model.generate with a ready DynamicCache {r * 1e3:.0f} ms ({r / c:.2f}x)"
+        )
     if batch:
         raw_s = batch["batch_call_raw_s"]
-        console.print(f"batch of {args.batch} left-padded rows (256-token system prompt + 64..{64 + 24 * (args.batch - 1)} "
-                      f"tokens, 16 new), whole call: raw model.generate {raw_s * 1e3:.0f} ms, wrapper miss "
-                      f"{batch['batch_call_miss_s'] * 1e3:.0f} ms ({batch['batch_call_miss_s'] / raw_s:.2f}x), wrapper "
-                      f"with the system prompt cached {batch['batch_call_hit_s'] * 1e3:.0f} ms "
-                      f"({batch['batch_call_hit_s'] / raw_s:.2f}x)")
-    console.print(f"miss overhead ratio {result['miss_overhead_ratio']:.3f} (target <= 1.03); "
-                  f"cached / ideal {result['cached_over_ideal']:.3f} (target <= 1.25)")
+        console.print(
+            f"batch of {args.batch} left-padded rows (256-token system prompt + 64..{64 + 24 * (args.batch - 1)} "
+            f"tokens, 16 new), whole call: raw model.generate {raw_s * 1e3:.0f} ms, wrapper miss "
+            f"{batch['batch_call_miss_s'] * 1e3:.0f} ms ({batch['batch_call_miss_s'] / raw_s:.2f}x), wrapper "
+            f"with the system prompt cached {batch['batch_call_hit_s'] * 1e3:.0f} ms "
+            f"({batch['batch_call_hit_s'] / raw_s:.2f}x)"
+        )
+    console.print(
+        f"miss overhead ratio {result['miss_overhead_ratio']:.3f} (target <= 1.03); "
+        f"cached / ideal {result['cached_over_ideal']:.3f} (target <= 1.25)"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         console.print(f"wrote {args.json}")

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -29,11 +29,32 @@ try:  # shared-KV / attention-free placeholder layers (transformers >= 5.x)
 except ImportError:  # pragma: no cover - older transformers
     DummyLayer = ()  # type: ignore[assignment,misc]
 
-RECURRENT_MODEL_TYPES = frozenset({
-    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "rwkv", "jamba", "zamba", "zamba2", "bamba", "granitemoehybrid",
-    "recurrent_gemma", "xlstm", "lfm2", "lfm2_moe", "qwen3_next", "qwen3_5", "kimi_linear", "minimax", "nemotron_h",
-    "olmo_hybrid", "plamo2", "mamba_ssm",
-})
+RECURRENT_MODEL_TYPES = frozenset(
+    {
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "falcon_h1",
+        "rwkv",
+        "jamba",
+        "zamba",
+        "zamba2",
+        "bamba",
+        "granitemoehybrid",
+        "recurrent_gemma",
+        "xlstm",
+        "lfm2",
+        "lfm2_moe",
+        "qwen3_next",
+        "qwen3_5",
+        "kimi_linear",
+        "minimax",
+        "nemotron_h",
+        "olmo_hybrid",
+        "plamo2",
+        "mamba_ssm",
+    }
+)
 
 
 def cache_kwarg(model) -> str:
@@ -53,11 +74,15 @@ def unsupported_reason(model) -> str | None:
     config = model.config
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
-        return (f"{type(model).__name__} (model_type={model_type!r}) is an encoder-decoder model: its decoder cache "
-                "depends on the encoder input, so a decoder-token prefix cannot be reused")
+        return (
+            f"{type(model).__name__} (model_type={model_type!r}) is an encoder-decoder model: its decoder cache "
+            "depends on the encoder input, so a decoder-token prefix cannot be reused"
+        )
     if getattr(model, "_is_stateful", False) or model_type in RECURRENT_MODEL_TYPES:
-        return (f"{type(model).__name__} (model_type={model_type!r}) keeps recurrent state (SSM / linear attention), "
-                "which cannot be split into per-token KV blocks")
+        return (
+            f"{type(model).__name__} (model_type={model_type!r}) keeps recurrent state (SSM / linear attention), "
+            "which cannot be split into per-token KV blocks"
+        )
     if not hasattr(model, "generate") or not getattr(model, "can_generate", lambda: True)():
         return f"{type(model).__name__} cannot generate"
     try:
@@ -66,8 +91,10 @@ def unsupported_reason(model) -> str | None:
         return f"cannot build a DynamicCache for {type(model).__name__}: {exc}"
     for i, layer in enumerate(template.layers):
         if not isinstance(layer, (DynamicLayer, DummyLayer)) or getattr(layer, "is_linear", False):
-            return (f"{type(model).__name__} layer {i} uses {type(layer).__name__}, not pure attention KV "
-                    "(recurrent or compressed state cannot be split into blocks)")
+            return (
+                f"{type(model).__name__} layer {i} uses {type(layer).__name__}, not pure attention KV "
+                "(recurrent or compressed state cannot be split into blocks)"
+            )
     if any(type(layer).__name__ == "DynamicIndexedLayer" for layer in template.layers):
         return f"{type(model).__name__} uses indexed (sparse) attention caches, which are not plain KV"
     return None
@@ -109,8 +136,12 @@ class InPlaceLayer(DynamicLayer):
         if self.in_place:
             kb, vb = self._bufs  # type: ignore[misc]
             n, m = self.keys.shape[-2], key_states.shape[-2]
-            if (n + m <= min(kb.shape[2], vb.shape[2]) and key_states.shape[0] == kb.shape[0]
-                    and key_states.dtype == kb.dtype and value_states.dtype == vb.dtype):
+            if (
+                n + m <= min(kb.shape[2], vb.shape[2])
+                and key_states.shape[0] == kb.shape[0]
+                and key_states.dtype == kb.dtype
+                and value_states.dtype == vb.dtype
+            ):
                 kb[:, :, n : n + m].copy_(key_states)
                 vb[:, :, n : n + m].copy_(value_states)
                 self._set(n + m)
@@ -166,8 +197,9 @@ def probe_specs(model) -> list[LayerSpec | None]:
     specs: list[LayerSpec | None] = []
     for layer in cache.layers:
         kv = _held_kv(layer)
-        specs.append(None if kv is None else
-                     LayerSpec((kv[0].shape[1], kv[0].shape[3]), (kv[1].shape[1], kv[1].shape[3])))
+        specs.append(
+            None if kv is None else LayerSpec((kv[0].shape[1], kv[0].shape[3]), (kv[1].shape[1], kv[1].shape[3]))
+        )
     return specs
 
 

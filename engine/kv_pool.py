@@ -10,8 +10,8 @@ or attention-free layers) are ``None`` in the spec and get ``None`` back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -40,8 +40,13 @@ class KVPool:
     """K/V tensors for ``num_blocks`` blocks of ``block_size`` tokens; gather and scatter by block id."""
 
     def __init__(
-        self, specs: Sequence[LayerSpec | None], num_blocks: int, block_size: int, *,
-        dtype: torch.dtype, device: torch.device | str,
+        self,
+        specs: Sequence[LayerSpec | None],
+        num_blocks: int,
+        block_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
     ) -> None:
         """Allocate (and touch: zeros, so the memory is committed now, not on the first scatter) the pool."""
         if num_blocks <= 0 or block_size <= 0:
@@ -62,10 +67,12 @@ class KVPool:
                 self._layers.append(None)
                 continue
             (kh, kd), (vh, vd) = spec.k_shape, spec.v_shape
-            self._layers.append((
-                torch.zeros((kh, num_blocks, block_size * kd), dtype=dtype, device=self.device),
-                torch.zeros((vh, num_blocks, block_size * vd), dtype=dtype, device=self.device),
-            ))
+            self._layers.append(
+                (
+                    torch.zeros((kh, num_blocks, block_size * kd), dtype=dtype, device=self.device),
+                    torch.zeros((vh, num_blocks, block_size * vd), dtype=dtype, device=self.device),
+                )
+            )
         # reusable gather buffers [1, heads, capacity, dim] per layer and side, grown on demand; see gather()
         self._scratch: list[list[torch.Tensor | None]] = [[None, None] for _ in self.specs]
 
@@ -104,8 +111,12 @@ class KVPool:
                 if spec is None:
                     out.append(None)
                     continue
-                out.append(tuple(self._buffer(layer, side, *shape, batch, tokens)  # type: ignore[misc]
-                                 for side, shape in enumerate((spec.k_shape, spec.v_shape))))
+                out.append(
+                    tuple(
+                        self._buffer(layer, side, *shape, batch, tokens)  # type: ignore[misc]
+                        for side, shape in enumerate((spec.k_shape, spec.v_shape))
+                    )
+                )
             return out
 
     def surrender_buffers(self) -> None:

@@ -36,10 +36,23 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=128, max_position_embeddings=2048, initializer_range=0.1),
-    "small": Preset(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-                    intermediate_size=3072, max_position_embeddings=4096),
+    "tiny": Preset(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+    ),
+    "small": Preset(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=4096,
+    ),
 }
 
 
@@ -61,8 +74,12 @@ def byte_tokenizer():
         single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
-        padding_side="left", chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -88,16 +105,21 @@ def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device: Any =
     tokenizer = byte_tokenizer()
     p = PRESETS[name]
     config = LlamaConfig(
-        **asdict(p), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        **asdict(p),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model = model.to(dtype=dtype, device=device).eval()
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, do_sample=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
     )
     return model, tokenizer
 
@@ -129,8 +151,14 @@ def _dtype(dtype: Any) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
     return names[dtype]

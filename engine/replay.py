@@ -18,15 +18,16 @@ same tokens in the next turn, as a real model's replies do.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from engine.models import PRESETS, load_model
 from engine.wrapper import PrefixCachedModel
-from prefixcache.workload.render import Conversations, synthetic_reply
 from prefixcache.reports.record import Row, RunResult
 from prefixcache.sim.replay import Capacity, warmup_count
+from prefixcache.workload.render import Conversations, synthetic_reply
 from prefixcache.workload.requests import Message
 from prefixcache.workload.scenario import Scenario
 
@@ -64,8 +65,9 @@ class HFRenderer:
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ReplayError("the model's tokenizer has no chat template; use text requests for this model")
-        out = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                                 add_generation_prompt=True, tokenize=True)
+        out = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=True
+        )
         if hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)
@@ -79,7 +81,7 @@ def _timed_generate(fn: Callable, ids: torch.Tensor, kwargs: dict) -> tuple[list
     t1 = time.perf_counter()
     seq = out if isinstance(out, torch.Tensor) else out.sequences
     assert streamer.first is not None
-    return seq[0, ids.shape[1]:].tolist(), streamer.first - t0, t1 - t0
+    return seq[0, ids.shape[1] :].tolist(), streamer.first - t0, t1 - t0
 
 
 def _ascii_only(tokenizer: Any) -> list[int]:
@@ -99,10 +101,22 @@ def _estimate_unlimited(scenario: Scenario, renderer: HFRenderer, block_size: in
     return max(1, int(total * 1.25))
 
 
-def replay(scenario: Scenario, capacities: list[Capacity], *, model: str = "tiny", block_size: int = 16,
-           eviction: str = "lru", warmup: float = 0.0, baseline: bool = True, dtype: Any = None, device: Any = None, seed: int = 0,
-           loaded: tuple[Any, Any] | None = None, on_start: Callable[[Capacity, int], None] | None = None,
-           on_row: Callable[[Row, Any], None] | None = None) -> tuple[list[RunResult], dict]:
+def replay(
+    scenario: Scenario,
+    capacities: list[Capacity],
+    *,
+    model: str = "tiny",
+    block_size: int = 16,
+    eviction: str = "lru",
+    warmup: float = 0.0,
+    baseline: bool = True,
+    dtype: Any = None,
+    device: Any = None,
+    seed: int = 0,
+    loaded: tuple[Any, Any] | None = None,
+    on_start: Callable[[Capacity, int], None] | None = None,
+    on_row: Callable[[Row, Any], None] | None = None,
+) -> tuple[list[RunResult], dict]:
     """Replay ``scenario`` once per capacity through ``model`` (preset or local path; or ``loaded`` =
     (model, tokenizer)). Returns the per-capacity results and facts about the model for the run record.
 
@@ -124,9 +138,13 @@ def replay(scenario: Scenario, capacities: list[Capacity], *, model: str = "tiny
         gen["suppress_tokens"] = _ascii_only(tokenizer)
     max_pos = getattr(hf_model.config, "max_position_embeddings", None)
     vocab = hf_model.config.vocab_size
-    info = {"model_class": type(hf_model).__name__, "dtype": str(next(hf_model.parameters()).dtype),
-            "device": str(next(hf_model.parameters()).device), "ttft": "streamer: time from the generate call "
-            "to its first generated token", "parameters": sum(p.numel() for p in hf_model.parameters())}
+    info = {
+        "model_class": type(hf_model).__name__,
+        "dtype": str(next(hf_model.parameters()).dtype),
+        "device": str(next(hf_model.parameters()).device),
+        "ttft": "streamer: time from the generate call to its first generated token",
+        "parameters": sum(p.numel() for p in hf_model.parameters()),
+    }
     results: list[RunResult] = []
     unl: int | None = None
     for cap in capacities:
@@ -136,10 +154,23 @@ def replay(scenario: Scenario, capacities: list[Capacity], *, model: str = "tiny
         assert nb is not None
         if on_start is not None:
             on_start(cap, len(scenario))
-        pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size,
-                                eviction=eviction)
-        res = _replay_one(scenario, pcm, hf_model, tokenizer, renderer, gen, nb, block_size, warmup, baseline,
-                          max_pos, vocab, cap.blocks is None, on_row)
+        pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size, eviction=eviction)
+        res = _replay_one(
+            scenario,
+            pcm,
+            hf_model,
+            tokenizer,
+            renderer,
+            gen,
+            nb,
+            block_size,
+            warmup,
+            baseline,
+            max_pos,
+            vocab,
+            cap.blocks is None,
+            on_row,
+        )
         results.append(res)
         del pcm
         if res.partial:
@@ -147,9 +178,22 @@ def replay(scenario: Scenario, capacities: list[Capacity], *, model: str = "tiny
     return results, info
 
 
-def _replay_one(scenario: Scenario, pcm: PrefixCachedModel, hf_model: Any, tokenizer: Any, renderer: HFRenderer,
-                gen: dict, nb: int, bs: int, warmup: float, baseline: bool, max_pos: int | None,
-                vocab: int, unlimited: bool, on_row: Callable | None) -> RunResult:
+def _replay_one(
+    scenario: Scenario,
+    pcm: PrefixCachedModel,
+    hf_model: Any,
+    tokenizer: Any,
+    renderer: HFRenderer,
+    gen: dict,
+    nb: int,
+    bs: int,
+    warmup: float,
+    baseline: bool,
+    max_pos: int | None,
+    vocab: int,
+    unlimited: bool,
+    on_row: Callable | None,
+) -> RunResult:
     conv = Conversations()
     n_warm = warmup_count(len(scenario.requests), warmup)
     rows: list[Row] = []
@@ -162,8 +206,9 @@ def _replay_one(scenario: Scenario, pcm: PrefixCachedModel, hf_model: Any, token
             k = req.max_new_tokens or scenario.max_new_tokens
             where = f"request {i + 1}" + (f" (line {req.line})" if req.line else "")
             if max_pos is not None and len(prompt) + k > max_pos:
-                raise ReplayError(f"{where}: {len(prompt)} prompt + {k} new tokens exceed the model's "
-                                  f"{max_pos} positions")
+                raise ReplayError(
+                    f"{where}: {len(prompt)} prompt + {k} new tokens exceed the model's {max_pos} positions"
+                )
             if max(prompt) >= vocab:
                 raise ReplayError(f"{where}: token id {max(prompt)} is outside the model's vocabulary ({vocab})")
             ids = torch.tensor([prompt], dtype=torch.long, device=device)
@@ -174,11 +219,25 @@ def _replay_one(scenario: Scenario, pcm: PrefixCachedModel, hf_model: Any, token
             rs = pcm.last_request_stats[0]
             reply = tokenizer.decode(out, skip_special_tokens=True)
             conv.add_reply(req, reply)
-            row = Row(i, req.namespace, rs.prompt_tokens, rs.cached_tokens, -(-len(prompt) // bs),
-                      rs.cached_tokens // bs, rs.inserted_blocks, stats.blocks_evicted - evicted0,
-                      pcm.cache.num_cached_blocks, i < n_warm, req.timestamp, len(out), ttft, total,
-                      base[1] if base else None, base[2] if base else None,
-                      (base[0] == out) if base else None)
+            row = Row(
+                i,
+                req.namespace,
+                rs.prompt_tokens,
+                rs.cached_tokens,
+                -(-len(prompt) // bs),
+                rs.cached_tokens // bs,
+                rs.inserted_blocks,
+                stats.blocks_evicted - evicted0,
+                pcm.cache.num_cached_blocks,
+                i < n_warm,
+                req.timestamp,
+                len(out),
+                ttft,
+                total,
+                base[1] if base else None,
+                base[2] if base else None,
+                (base[0] == out) if base else None,
+            )
             rows.append(row)
             if on_row is not None:
                 on_row(row, pcm.cache)

@@ -62,8 +62,15 @@ class PrefixCachedModel:
     """
 
     def __init__(
-        self, model, *, max_cached_tokens: int | None = None, max_cached_bytes: int | None = None,
-        block_size: int = 16, eviction: str = "lru", hash_seed: int = 0, verify_tokens: bool = True,
+        self,
+        model,
+        *,
+        max_cached_tokens: int | None = None,
+        max_cached_bytes: int | None = None,
+        block_size: int = 16,
+        eviction: str = "lru",
+        hash_seed: int = 0,
+        verify_tokens: bool = True,
         on_unsupported: str = "error",
     ) -> None:
         if on_unsupported not in ("error", "passthrough"):
@@ -102,15 +109,23 @@ class PrefixCachedModel:
             what = f"max_cached_tokens={tokens} (block_size={block_size})"
         if num_blocks < 1:
             raise ValueError(f"{what} holds no block; raise it")
-        self.cache = PrefixCache(CacheConfig(num_blocks=num_blocks, block_size=block_size, eviction=eviction,
-                                             hash_seed=hash_seed, verify_tokens=verify_tokens))
+        self.cache = PrefixCache(
+            CacheConfig(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                eviction=eviction,
+                hash_seed=hash_seed,
+                verify_tokens=verify_tokens,
+            )
+        )
         self.pool = KVPool(specs, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self._specs = specs
 
     # ---- construction helpers ------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype: Any = None, device: Any = None, seed: int = 0,
-                        **kwargs) -> "PrefixCachedModel":
+    def from_pretrained(
+        cls, name_or_path: str, *, dtype: Any = None, device: Any = None, seed: int = 0, **kwargs
+    ) -> PrefixCachedModel:
         """Load a preset or a local HF model dir (see ``engine.models.load_model``) and wrap it.
 
         The tokenizer is kept as ``.tokenizer``.
@@ -133,29 +148,29 @@ class PrefixCachedModel:
         """A plain (uncached) forward of the wrapped model."""
         return self.model(*args, **kwargs)
 
-    def to(self, *args, **kwargs) -> "PrefixCachedModel":
+    def to(self, *args, **kwargs) -> PrefixCachedModel:
         """Move/cast the wrapped model (like ``nn.Module.to``) and return the WRAPPER; the pool follows on the
         next call (cached blocks are dropped then)."""
         self.model.to(*args, **kwargs)
         return self
 
-    def cuda(self, *args, **kwargs) -> "PrefixCachedModel":
+    def cuda(self, *args, **kwargs) -> PrefixCachedModel:
         self.model.cuda(*args, **kwargs)
         return self
 
-    def cpu(self) -> "PrefixCachedModel":
+    def cpu(self) -> PrefixCachedModel:
         self.model.cpu()
         return self
 
-    def half(self) -> "PrefixCachedModel":
+    def half(self) -> PrefixCachedModel:
         self.model.half()
         return self
 
-    def float(self) -> "PrefixCachedModel":
+    def float(self) -> PrefixCachedModel:
         self.model.float()
         return self
 
-    def bfloat16(self) -> "PrefixCachedModel":
+    def bfloat16(self) -> PrefixCachedModel:
         self.model.bfloat16()
         return self
 
@@ -170,8 +185,10 @@ class PrefixCachedModel:
         self.fingerprint = _fingerprint(model)
 
     def __repr__(self) -> str:
-        return (f"PrefixCachedModel({type(self.model).__name__}, blocks={self.cache.num_blocks}, "
-                f"block_size={self.block_size})")
+        return (
+            f"PrefixCachedModel({type(self.model).__name__}, blocks={self.cache.num_blocks}, "
+            f"block_size={self.block_size})"
+        )
 
     # ---- cache management ----------------------------------------------------------------------------
     def reset_cache(self) -> None:
@@ -205,8 +222,14 @@ class PrefixCachedModel:
             return self.cache.probe(tokens, f"{self.fingerprint}:{namespace}")
 
     # ---- generate ------------------------------------------------------------------------------------
-    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
-                 namespace: str = "default", **kwargs) -> Any:
+    def generate(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        namespace: str = "default",
+        **kwargs,
+    ) -> Any:
         """``model.generate`` with prefix caching; same arguments, same return value.
 
         ``namespace`` (tenant, adapter, ...) separates caches: requests never share blocks across namespaces.
@@ -239,8 +262,7 @@ class PrefixCachedModel:
             self._follow_model()
             self._active += 1
             try:
-                return self._generate_cached(input_ids, attention_mask, gc, f"{self.fingerprint}:{namespace}",
-                                             kwargs)
+                return self._generate_cached(input_ids, attention_mask, gc, f"{self.fingerprint}:{namespace}", kwargs)
             finally:
                 self._active -= 1
 
@@ -251,8 +273,11 @@ class PrefixCachedModel:
         self.last_request_stats = ()
         if reason not in self._warned and len(self._warned) < 64:
             self._warned.add(reason)
-            warnings.warn(f"PrefixCachedModel: running this call without the prefix cache: {reason}",
-                          UncachedCallWarning, stacklevel=4)
+            warnings.warn(
+                f"PrefixCachedModel: running this call without the prefix cache: {reason}",
+                UncachedCallWarning,
+                stacklevel=4,
+            )
         return self.model.generate(**kwargs)
 
     def _uncached_reason(self, input_ids, attention_mask, kwargs: dict) -> str | None:
@@ -326,12 +351,13 @@ class PrefixCachedModel:
         if attention_mask is None:
             pad_id = gc.pad_token_id
             if pad_id is not None and bool((input_ids == pad_id).any()):
-                return self._run_uncached("pad tokens in input_ids without attention_mask",
-                                          {"input_ids": input_ids, **kwargs})
+                return self._run_uncached(
+                    "pad tokens in input_ids without attention_mask", {"input_ids": input_ids, **kwargs}
+                )
             pads = [0] * batch
         else:
             pads = (width - attention_mask.to(torch.long).sum(dim=1)).tolist()
-        rows = [input_ids[r, pads[r]:] for r in range(batch)]
+        rows = [input_ids[r, pads[r] :] for r in range(batch)]
         copies = int(gc.num_return_sequences or 1)  # sampling n per prompt: generate's own expansion, done here
         if copies > 1:
             input_ids = input_ids.repeat_interleave(copies, dim=0)
@@ -366,7 +392,8 @@ class PrefixCachedModel:
                 self.cache.reset(keep_stats=True)
                 raise
             self.last_request_stats = tuple(
-                RowStats(len(row), m.cached_tokens, n) for row, m, n in zip(rows, matches, inserted))
+                RowStats(len(row), m.cached_tokens, n) for row, m, n in zip(rows, matches, inserted)
+            )
             return out
         finally:
             if alive:
@@ -382,9 +409,13 @@ class PrefixCachedModel:
                 kv[0][r, :, :pad].zero_()  # masked out, but must be finite
                 kv[1][r, :, :pad].zero_()
         if cached:
-            self.pool.gather_into(m.block_ids, [None if kv is None else (kv[0][r, :, pad : pad + cached],
-                                                                         kv[1][r, :, pad : pad + cached])
-                                                for kv in bufs])
+            self.pool.gather_into(
+                m.block_ids,
+                [
+                    None if kv is None else (kv[0][r, :, pad : pad + cached], kv[1][r, :, pad : pad + cached])
+                    for kv in bufs
+                ],
+            )
         todo = ready - pad - cached
         if todo <= 0:
             return
@@ -392,8 +423,13 @@ class PrefixCachedModel:
         row_cache = hf_cache.buffer_cache(self.model, row_bufs, cached)
         ids = tokens[cached : cached + todo].unsqueeze(0)
         with torch.no_grad():
-            self.model(input_ids=ids, attention_mask=torch.ones((1, cached + todo), dtype=torch.long, device=ids.device),
-                       use_cache=True, **{self._cache_kwarg: row_cache}, **self._logits_kwargs)
+            self.model(
+                input_ids=ids,
+                attention_mask=torch.ones((1, cached + todo), dtype=torch.long, device=ids.device),
+                use_cache=True,
+                **{self._cache_kwarg: row_cache},
+                **self._logits_kwargs,
+            )
         hf_cache.settle(row_cache, row_bufs, cached + todo)
 
     def _commit_outputs(self, out, cache, matches, pads: list[int], width: int, gc) -> list[int]:

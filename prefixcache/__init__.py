@@ -17,12 +17,12 @@ from prefixcache.core import (
 )
 
 __all__ = [
+    "DEFAULT_NAMESPACE",
+    "POLICIES",
     "CacheConfig",
     "CacheStats",
     "CommitResult",
-    "DEFAULT_NAMESPACE",
     "MatchResult",
-    "POLICIES",
     "PrefixCache",
     "RequestHandle",
     "__version__",

@@ -17,8 +17,16 @@ def _gc(**extra) -> T.GenerationConfig:
 def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     """A tiny random decoder of ``arch`` in eval mode with a no-eos greedy generation config."""
     common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, **common)
+    llama_like = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        **common,
+    )
     if arch == "llama":
         cls, cfg = T.LlamaForCausalLM, T.LlamaConfig(**llama_like)
     elif arch == "qwen2":
@@ -29,16 +37,31 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
         cls, cfg = T.MistralForCausalLM, T.MistralConfig(sliding_window=6, **llama_like)
     elif arch == "gpt2":
         cls = T.GPT2LMHeadModel
-        cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                           initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        cfg = T.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            initializer_range=0.1,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
     elif arch == "gemma2":
         cls = T.Gemma2ForCausalLM
-        cfg = T.Gemma2Config(head_dim=8, sliding_window=6, query_pre_attn_scalar=8,
-                             attn_implementation="eager", **llama_like)
+        cfg = T.Gemma2Config(
+            head_dim=8, sliding_window=6, query_pre_attn_scalar=8, attn_implementation="eager", **llama_like
+        )
     elif arch == "gemma3":
         cls = T.Gemma3ForCausalLM
-        cfg = T.Gemma3TextConfig(head_dim=8, sliding_window=6, query_pre_attn_scalar=8,
-                                 layer_types=["sliding_attention", "full_attention"], **llama_like)
+        cfg = T.Gemma3TextConfig(
+            head_dim=8,
+            sliding_window=6,
+            query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **llama_like,
+        )
     else:
         raise ValueError(arch)
     with torch.random.fork_rng(devices=[]):
@@ -61,8 +84,8 @@ def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.T
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 

@@ -35,8 +35,9 @@ def test_help_lists_commands():
 
 def test_simulate_sweep_writes_versioned_record(tmp_path):
     out = tmp_path / "run.json"
-    r = run("simulate", SAMPLE, "--capacity", "51200", "--capacity-blocks", "40", "--capacity", "unlimited",
-            "--json", out)
+    r = run(
+        "simulate", SAMPLE, "--capacity", "51200", "--capacity-blocks", "40", "--capacity", "unlimited", "--json", out
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads(out.read_text())
     assert rec["version"] == 1 and rec["command"] == "simulate" and rec["partial"] is False
@@ -69,25 +70,34 @@ def _bad_trace(tmp_path: Path, line: str) -> Path:
     return p
 
 
-@pytest.mark.parametrize("make, args, message", [
-    (lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 2000, "hash_ids": [1, 2]}'), [],
-     ":6: 2 hash_ids for input_length 2000"),
-    (lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 20'), [], ":6: not valid JSON"),
-    (lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 20, "hash_ids": [1], "x": 1}'), [],
-     ":6: unknown key 'x'"),
-    (lambda d: d / "missing.jsonl", [], "no such trace file"),
-    (lambda d: d / "missing.yaml", [], "no such scenario file"),
-    (lambda d: SAMPLE, ["--capacity", "0"], "--capacity must be > 0"),
-    (lambda d: SAMPLE, ["--capacity", "-3"], "--capacity must be > 0"),
-    (lambda d: SAMPLE, ["--capacity", "lots"], "expected a number of tokens"),
-    (lambda d: SAMPLE, ["--capacity", "1e400"], "expected a whole number of tokens"),
-    (lambda d: SAMPLE, ["--capacity", "1.7"], "expected a whole number of tokens"),
-    (lambda d: SAMPLE, ["--capacity", "0.5"], "expected a whole number of tokens"),
-    (lambda d: SAMPLE, ["--capacity", "100"], "less than one block of 512"),
-    (lambda d: SAMPLE, ["--capacity-blocks", "0"], "--capacity-blocks must be > 0"),
-    (lambda d: SAMPLE, ["--warmup", "1.5"], "--warmup"),
-    (lambda d: SAMPLE, ["--eviction", "random"], "unknown policy 'random'"),
-])
+@pytest.mark.parametrize(
+    "make, args, message",
+    [
+        (
+            lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 2000, "hash_ids": [1, 2]}'),
+            [],
+            ":6: 2 hash_ids for input_length 2000",
+        ),
+        (lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 20'), [], ":6: not valid JSON"),
+        (
+            lambda d: _bad_trace(d, '{"timestamp": 1, "input_length": 20, "hash_ids": [1], "x": 1}'),
+            [],
+            ":6: unknown key 'x'",
+        ),
+        (lambda d: d / "missing.jsonl", [], "no such trace file"),
+        (lambda d: d / "missing.yaml", [], "no such scenario file"),
+        (lambda d: SAMPLE, ["--capacity", "0"], "--capacity must be > 0"),
+        (lambda d: SAMPLE, ["--capacity", "-3"], "--capacity must be > 0"),
+        (lambda d: SAMPLE, ["--capacity", "lots"], "expected a number of tokens"),
+        (lambda d: SAMPLE, ["--capacity", "1e400"], "expected a whole number of tokens"),
+        (lambda d: SAMPLE, ["--capacity", "1.7"], "expected a whole number of tokens"),
+        (lambda d: SAMPLE, ["--capacity", "0.5"], "expected a whole number of tokens"),
+        (lambda d: SAMPLE, ["--capacity", "100"], "less than one block of 512"),
+        (lambda d: SAMPLE, ["--capacity-blocks", "0"], "--capacity-blocks must be > 0"),
+        (lambda d: SAMPLE, ["--warmup", "1.5"], "--warmup"),
+        (lambda d: SAMPLE, ["--eviction", "random"], "unknown policy 'random'"),
+    ],
+)
 def test_simulate_user_errors_exit_2(tmp_path, make, args, message):
     r = run("simulate", make(tmp_path), *args)
     assert r.exit_code == 2, r.output
@@ -152,6 +162,10 @@ def test_report_renders_and_rejects_bad_records(tmp_path):
 
 def test_console_script_entry_point(tmp_path):
     """The installed entry point runs in a fresh process; a user error exits 2 without a traceback."""
-    r = subprocess.run([sys.executable, "-c", "from prefixcache.cli import main; main()", "simulate",
-                        str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "from prefixcache.cli import main; main()", "simulate", str(tmp_path / "missing.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "no such trace file" in r.stderr and "Traceback" not in r.stderr

@@ -93,11 +93,10 @@ def test_collision_in_the_middle_of_a_run_is_caught(serve):
 def test_exception_inside_lookup_unpins_everything(serve):
     cache = PrefixCache(CacheConfig(num_blocks=4, block_size=2))
     serve(cache, [1, 1, 2, 2, 3])
-    with pytest.raises(RuntimeError, match="model crashed"):
-        with cache.lookup([1, 1, 2, 2, 3, 3, 4, 4, 5]) as m:
-            assert m.cached_tokens == 4
-            cache.commit(m.handle)
-            raise RuntimeError("model crashed")
+    with pytest.raises(RuntimeError, match="model crashed"), cache.lookup([1, 1, 2, 2, 3, 3, 4, 4, 5]) as m:
+        assert m.cached_tokens == 4
+        cache.commit(m.handle)
+        raise RuntimeError("model crashed")
     assert cache.num_active_requests == 0
     cache.check_integrity()
     assert cache.num_cached_blocks == 4 and cache.num_free_blocks == 0
@@ -109,10 +108,9 @@ def test_exception_inside_lookup_unpins_everything(serve):
 
 def test_keyboard_interrupt_inside_lookup_unpins():
     cache = PrefixCache(CacheConfig(num_blocks=4, block_size=1))
-    with pytest.raises(KeyboardInterrupt):
-        with cache.lookup([1, 2, 3]) as m:
-            cache.commit(m.handle)
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), cache.lookup([1, 2, 3]) as m:
+        cache.commit(m.handle)
+        raise KeyboardInterrupt
     assert cache.num_active_requests == 0
     cache.check_integrity()
 

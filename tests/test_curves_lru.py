@@ -65,11 +65,14 @@ def test_hand_computed_stack_distances():
 
 
 # ---- real traces ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,first,count", [
-    ("mooncake_conversation_trace.jsonl", 0, 500),
-    ("mooncake_conversation_trace.jsonl", 6000, 400),
-    ("mooncake_synthetic_trace.jsonl", 0, 500),
-])
+@pytest.mark.parametrize(
+    "name,first,count",
+    [
+        ("mooncake_conversation_trace.jsonl", 0, 500),
+        ("mooncake_conversation_trace.jsonl", 6000, 400),
+        ("mooncake_synthetic_trace.jsonl", 0, 500),
+    ],
+)
 def test_mooncake_slices_equal_replays(traces_dir, tmp_path, name, first, count):
     tr = load_trace(slice_lines(traces_dir / name, tmp_path / "slice.jsonl", first, count))
     W = canonical_blocks(tr).num_nodes
@@ -89,8 +92,9 @@ def test_mooncake_warmup_and_timestamp_order(traces_dir, tmp_path):
 
 def test_kvtester_sessions_interleaved_equal_replays(traces_dir, tmp_path):
     """kv-tester lines carry sessions (namespaces) and resend their history: long runs per request."""
-    tr = load_trace(slice_lines(traces_dir / "kvtester_claude_code_710sessions.jsonl.gz", tmp_path / "kv.jsonl",
-                                0, 160))
+    tr = load_trace(
+        slice_lines(traces_dir / "kvtester_claude_code_710sessions.jsonl.gz", tmp_path / "kv.jsonl", 0, 160)
+    )
     assert len(set(tr.namespace)) > 1
     tr = ordered(tr, "timestamp")
     W = canonical_blocks(tr).num_nodes

@@ -4,18 +4,17 @@ real policies reach, never above the unlimited-capacity hit rate."""
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_curves_lru import slice_lines
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.sim.curves import canonical_blocks, log_grid, lru_curve, next_uses, optimal_hits, trace_from_lists
 from prefixcache.workload.trace import load_trace
-
-from test_curves_lru import slice_lines
 
 
 def brute_force_best(trace, capacity: int, warmup_from: int = 0, weight: str = "blocks") -> int:
@@ -33,7 +32,7 @@ def brute_force_best(trace, capacity: int, warmup_from: int = 0, weight: str = "
         reqs.append((paths, int(trace.input_length[i])))
     bs = trace.block_size
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(t: int, state: frozenset) -> int:
         if t == len(reqs):
             return 0
@@ -58,8 +57,9 @@ def brute_force_best(trace, capacity: int, warmup_from: int = 0, weight: str = "
 
 def replay(trace, policy: str, capacity: int, warmup_from: int = 0) -> tuple[int, int]:
     now = [0.0]
-    cache = PrefixCache(CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy),
-                        clock=lambda: now[0])
+    cache = PrefixCache(
+        CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy), clock=lambda: now[0]
+    )
     hb = ht = 0
     for i in range(len(trace)):
         now[0] = float(i)
@@ -125,8 +125,9 @@ def test_prefix_semantics_counted_once():
     assert replay(tr, "lru", 2)[0] == 2
 
 
-@pytest.mark.parametrize("name,first,count", [("mooncake_conversation_trace.jsonl", 3000, 300),
-                                              ("mooncake_synthetic_trace.jsonl", 0, 300)])
+@pytest.mark.parametrize(
+    "name,first,count", [("mooncake_conversation_trace.jsonl", 3000, 300), ("mooncake_synthetic_trace.jsonl", 0, 300)]
+)
 @pytest.mark.parametrize("warmup", [0.0, 0.4])
 def test_bound_dominates_policies_on_mooncake_slices(traces_dir, tmp_path, name, first, count, warmup):
     tr = load_trace(slice_lines(traces_dir / name, tmp_path / "s.jsonl", first, count))

@@ -24,8 +24,9 @@ def test_byte_tokenizer_round_trips_and_has_chat_template():
 
 def test_presets_shapes():
     small = PRESETS["small"]
-    from transformers import LlamaConfig
     from dataclasses import asdict
+
+    from transformers import LlamaConfig
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**asdict(small), tie_word_embeddings=False))

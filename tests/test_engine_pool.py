@@ -80,8 +80,9 @@ def test_gather_reserves_room_and_reuses_its_buffers():
 
 
 def test_in_place_layer_matches_concatenation_and_falls_back_when_full():
-    from engine.hf_cache import InPlaceLayer
     from transformers.cache_utils import DynamicLayer
+
+    from engine.hf_cache import InPlaceLayer
 
     g = torch.Generator().manual_seed(0)
     buf_k, buf_v = torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 3)

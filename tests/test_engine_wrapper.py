@@ -69,7 +69,9 @@ def test_interrupt_releases_pins(llama, pcm):
     a = rand_tokens(g, 20)
     pcm.generate(torch.tensor([a]), max_new_tokens=2)
     with pytest.raises(KeyboardInterrupt):
-        pcm.generate(torch.tensor([a + [5, 6]]), max_new_tokens=3, stopping_criteria=T.StoppingCriteriaList([_Interrupt()]))
+        pcm.generate(
+            torch.tensor([a + [5, 6]]), max_new_tokens=3, stopping_criteria=T.StoppingCriteriaList([_Interrupt()])
+        )
     _consistent(pcm)
     assert pcm.cache_stats()["blocks_used"] == 5  # nothing of the interrupted call was committed
 
@@ -117,15 +119,29 @@ def test_batch_with_eos_pads_finished_rows_like_batched_generate(llama, pcm):
     free = llama.generate(ids, attention_mask=mask, max_new_tokens=6)
     eos = int(free[0, ids.shape[1] + 1])  # row 0 stops at its second token
     pcm.generate(torch.tensor([rows[0]]), max_new_tokens=6)  # row 0 gets a hit
-    ref = llama.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0,
-                         return_dict_in_generate=True, output_scores=True)
-    out = pcm.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0,
-                       return_dict_in_generate=True, output_scores=True)
+    ref = llama.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    out = pcm.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     assert torch.equal(out.sequences, ref.sequences)
     assert pcm.last_request_stats[0].cached_tokens == 12
     assert len(out.scores) == len(ref.scores)
     for t, (a, b) in enumerate(zip(out.scores, ref.scores)):
-        live = [r for r in range(3) if not (out.sequences[r, ids.shape[1]:ids.shape[1] + t] == eos).any()]
+        live = [r for r in range(3) if not (out.sequences[r, ids.shape[1] : ids.shape[1] + t] == eos).any()]
         assert torch.allclose(a[live], b[live], atol=1e-4)
 
 
@@ -176,7 +192,7 @@ def test_threads_share_one_cache(llama, pcm):
         try:
             for _ in range(2):
                 assert torch.equal(pcm.generate(prompts[i], max_new_tokens=3), refs[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
@@ -292,12 +308,13 @@ def test_num_return_sequences_with_sampling_matches_the_model(llama, pcm):
         torch.manual_seed(3)
         out = pcm.generate(args[0], attention_mask=args[1], do_sample=True, num_return_sequences=3, max_new_tokens=5)
         torch.manual_seed(3)
-        ref = llama.generate(args[0], attention_mask=args[1], do_sample=True, num_return_sequences=3,
-                             max_new_tokens=5)
+        ref = llama.generate(args[0], attention_mask=args[1], do_sample=True, num_return_sequences=3, max_new_tokens=5)
         assert torch.equal(out, ref)
         assert pcm.last_request_stats[0].cached_tokens == 20
-    _same_error(lambda: llama.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2),
-                lambda: pcm.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2))
+    _same_error(
+        lambda: llama.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2),
+        lambda: pcm.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2),
+    )
     _consistent(pcm)
 
 

@@ -18,8 +18,13 @@ def test_bytes_by_hand():
 
 
 def test_config_json(tmp_path):
-    cfg = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 2048,
-           "torch_dtype": "bfloat16"}
+    cfg = {
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "hidden_size": 2048,
+        "torch_dtype": "bfloat16",
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = from_config(tmp_path / "config.json")
     assert (m.layers, m.kv_heads, m.head_dim, m.dtype) == (28, 8, 128, "bfloat16")  # head dim = 2048 / 16
@@ -34,8 +39,10 @@ def test_config_json(tmp_path):
 
 
 def test_multimodal_text_config(tmp_path):
-    cfg = {"torch_dtype": "bfloat16", "text_config": {"num_hidden_layers": 4, "num_attention_heads": 8,
-                                                       "num_key_value_heads": 2, "hidden_size": 512}}
+    cfg = {
+        "torch_dtype": "bfloat16",
+        "text_config": {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512},
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = from_config(tmp_path / "config.json")
     assert (m.layers, m.kv_heads, m.head_dim, m.dtype) == (4, 2, 64, "bfloat16")
@@ -66,5 +73,8 @@ def test_presets_match_engine_models():
     for name, p in ENGINE.items():
         m = PRESETS[name]
         assert (m.layers, m.kv_heads, m.head_dim) == (
-            p.num_hidden_layers, p.num_key_value_heads, p.hidden_size // p.num_attention_heads)
+            p.num_hidden_layers,
+            p.num_key_value_heads,
+            p.hidden_size // p.num_attention_heads,
+        )
         assert m.dtype == "float32"  # engine builds presets in float32 by default

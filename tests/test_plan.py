@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from test_curves_lru import slice_lines
 from typer.testing import CliRunner
 
 from prefixcache import CacheConfig, PrefixCache
@@ -14,14 +15,13 @@ from prefixcache.sim.kv_size import PRESETS
 from prefixcache.sim.plan import make_plan
 from prefixcache.workload.trace import load_trace
 
-from test_curves_lru import slice_lines
-
 
 def rate(trace, policy: str, capacity: int, weight: str, warmup: float = 0.0, keep_for=None) -> float:
     """Independent replay through the real cache (clock = timestamp in seconds)."""
     now = [0.0]
-    cache = PrefixCache(CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy),
-                        clock=lambda: now[0])
+    cache = PrefixCache(
+        CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy), clock=lambda: now[0]
+    )
     start = int(np.floor(warmup * len(trace)))
     hit = total = 0
     for i in range(len(trace)):
@@ -44,8 +44,15 @@ def conv_slice(traces_dir, tmp_path):
 @pytest.mark.parametrize("weight,warmup", [("tokens", 0.0), ("blocks", 0.2)])
 def test_plan_matches_replays(conv_slice, weight, warmup):
     tr = load_trace(conv_slice)
-    plan = make_plan(tr, policies=["lru", "fifo", "priority"], weight=weight, warmup=warmup, points=6,
-                     model=PRESETS["small"], keep_for=30.0)
+    plan = make_plan(
+        tr,
+        policies=["lru", "fifo", "priority"],
+        weight=weight,
+        warmup=warmup,
+        points=6,
+        model=PRESETS["small"],
+        keep_for=30.0,
+    )
     W = plan.working_set_blocks
     assert plan.unlimited_rate == pytest.approx(rate(tr, "lru", W + 10, weight, warmup))
     for k, c in enumerate(plan.grid):
@@ -107,10 +114,31 @@ def test_cli_plan_writes_reports(conv_slice, tmp_path):
     from prefixcache.cli import app
 
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["plan", str(conv_slice), "--policy", "lru", "--policy", "lfu", "--model", "small",
-                                   "--dtype", "bf16", "--points", "5", "--warmup", "0.1",
-                                   "--json", str(out / "p.json"), "--html", str(out / "p.html"),
-                                   "--markdown", str(out / "p.md")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            str(conv_slice),
+            "--policy",
+            "lru",
+            "--policy",
+            "lfu",
+            "--model",
+            "small",
+            "--dtype",
+            "bf16",
+            "--points",
+            "5",
+            "--warmup",
+            "0.1",
+            "--json",
+            str(out / "p.json"),
+            "--html",
+            str(out / "p.html"),
+            "--markdown",
+            str(out / "p.md"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "optimal bound" in res.output and "LRU" in res.output
     doc = json.loads((out / "p.json").read_text())

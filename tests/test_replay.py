@@ -12,15 +12,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from typer.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner
 
-from engine.models import load_model  # noqa: E402
-from engine.replay import ReplayError, replay  # noqa: E402
-from prefixcache import cli  # noqa: E402
-from prefixcache.workload.render import ByteRenderer, Conversations  # noqa: E402
-from prefixcache.sim.replay import Capacity, simulate_requests, unlimited_blocks  # noqa: E402
-from prefixcache.workload.requests import ScenarioRequest  # noqa: E402
-from prefixcache.workload.scenario import load_scenario  # noqa: E402
+from engine.models import load_model
+from engine.replay import ReplayError, replay
+from prefixcache import cli
+from prefixcache.sim.replay import Capacity, simulate_requests, unlimited_blocks
+from prefixcache.workload.render import ByteRenderer, Conversations
+from prefixcache.workload.requests import ScenarioRequest
+from prefixcache.workload.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 
@@ -70,8 +70,9 @@ def test_interrupt_is_partial_and_unpins(tiny, handwritten):
         if row.index == 2:
             raise KeyboardInterrupt
 
-    results, _ = replay(handwritten, [Capacity(None), Capacity(50)], block_size=4, baseline=False, loaded=tiny,
-                        on_row=on_row)
+    results, _ = replay(
+        handwritten, [Capacity(None), Capacity(50)], block_size=4, baseline=False, loaded=tiny, on_row=on_row
+    )
     assert len(results) == 1 and results[0].partial and len(results[0].rows) == 3
     assert all(r.outputs_match is None and r.ttft_uncached_s is None for r in results[0].rows)
     assert caches[-1].num_active_requests == 0
@@ -86,8 +87,22 @@ def test_prompt_too_long_is_a_clear_error(tiny, handwritten):
 
 def test_cli_replay_verify_and_record(tmp_path):
     out = tmp_path / "run.json"
-    r = CliRunner().invoke(cli.app, ["replay", str(SCENARIOS / "chat.yaml"), "--max-requests", "6", "--verify",
-                                     "--capacity", "unlimited", "--json", str(out), "--html", str(tmp_path / "r.html")])
+    r = CliRunner().invoke(
+        cli.app,
+        [
+            "replay",
+            str(SCENARIOS / "chat.yaml"),
+            "--max-requests",
+            "6",
+            "--verify",
+            "--capacity",
+            "unlimited",
+            "--json",
+            str(out),
+            "--html",
+            str(tmp_path / "r.html"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads(out.read_text())
     t = rec["totals"][0]

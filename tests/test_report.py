@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from prefixcache.reports.run_report import plots, summary_table, to_html, to_markdown
-from prefixcache.reports.record import Row, RunResult, build_record, load_record, save_record, totals
 from prefixcache.core.errors import InputError
+from prefixcache.reports.record import Row, RunResult, build_record, load_record, save_record, totals
+from prefixcache.reports.run_report import plots, summary_table, to_html, to_markdown
 
 
 def _rows(timed: bool = False) -> list[Row]:
@@ -19,9 +19,21 @@ def _rows(timed: bool = False) -> list[Row]:
     for i in range(40):
         prompt = int(rng.integers(20, 200))
         hit = int(rng.integers(0, prompt // 16))
-        t = dict(ttft_cached_s=float(rng.uniform(0.01, 0.05)), total_cached_s=0.2, ttft_uncached_s=float(rng.uniform(0.05, 0.2)),
-                 total_uncached_s=0.4, outputs_match=i != 7, output_tokens=8) if timed else {}
-        out.append(Row(i, "default", prompt, hit * 16, -(-prompt // 16), hit, 2, i % 3, min(30, i), i < 4, float(i), **t))
+        t = (
+            dict(
+                ttft_cached_s=float(rng.uniform(0.01, 0.05)),
+                total_cached_s=0.2,
+                ttft_uncached_s=float(rng.uniform(0.05, 0.2)),
+                total_uncached_s=0.4,
+                outputs_match=i != 7,
+                output_tokens=8,
+            )
+            if timed
+            else {}
+        )
+        out.append(
+            Row(i, "default", prompt, hit * 16, -(-prompt // 16), hit, 2, i % 3, min(30, i), i < 4, float(i), **t)
+        )
     return out
 
 

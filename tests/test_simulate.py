@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.workload.render import ByteRenderer, Conversations, synthetic_reply
 from prefixcache.sim.replay import Capacity, simulate, simulate_requests, simulate_trace, unlimited_blocks
+from prefixcache.workload.render import ByteRenderer, Conversations, synthetic_reply
 from prefixcache.workload.scenario import load_scenario
 from prefixcache.workload.trace import load_trace
 
@@ -18,13 +18,16 @@ SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 
 
 # ---- DESIGN.md §7: LRU, file order, no warm-up, block-weighted ---------------------------------------------
-@pytest.mark.parametrize("name, blocks, expected", [
-    ("mooncake_conversation_trace.jsonl", 1_000, 0.0445),
-    ("mooncake_conversation_trace.jsonl", 10_000, 0.2116),
-    ("mooncake_conversation_trace.jsonl", None, 0.3664),
-    ("mooncake_synthetic_trace.jsonl", None, 0.6396),
-    ("mooncake_synthetic_trace.jsonl", 10_000, 0.4239),
-])
+@pytest.mark.parametrize(
+    "name, blocks, expected",
+    [
+        ("mooncake_conversation_trace.jsonl", 1_000, 0.0445),
+        ("mooncake_conversation_trace.jsonl", 10_000, 0.2116),
+        ("mooncake_conversation_trace.jsonl", None, 0.3664),
+        ("mooncake_synthetic_trace.jsonl", None, 0.6396),
+        ("mooncake_synthetic_trace.jsonl", 10_000, 0.4239),
+    ],
+)
 def test_published_block_hit_rates(traces_dir, name, blocks, expected):
     trace = load_trace(traces_dir / name)
     nb = blocks or trace.unique_blocks()
@@ -100,8 +103,12 @@ def random_prefix_trace(seed: int, n: int = 120) -> list[list[int]]:
 def test_random_trace_replay_equals_brute_force(tmp_path, seed, capacity):
     reqs = random_prefix_trace(seed)
     p = tmp_path / "r.jsonl"
-    p.write_text("".join(json.dumps({"timestamp": i, "input_length": 16 * len(ids), "hash_ids": ids}) + "\n"
-                         for i, ids in enumerate(reqs)))
+    p.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": 16 * len(ids), "hash_ids": ids}) + "\n"
+            for i, ids in enumerate(reqs)
+        )
+    )
     got = simulate_trace(load_trace(p, block_size=16), capacity)
     assert [row.hit_blocks for row in got.rows] == brute_force_lru(reqs, capacity)
 
@@ -133,8 +140,9 @@ def lcp_reference(scenario, block_size: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("name", ["handwritten", "chat", "agent", "rag", "few_shot", "parallel_samples",
-                                  "shared_prompt"])
+@pytest.mark.parametrize(
+    "name", ["handwritten", "chat", "agent", "rag", "few_shot", "parallel_samples", "shared_prompt"]
+)
 def test_scenario_unlimited_equals_lcp_reference(name):
     sc = load_scenario(SCENARIOS / f"{name}.yaml")
     bs = sc.block_size
@@ -188,6 +196,10 @@ def test_interrupt_returns_partial_rows_and_releases_pins():
     cache = seen[-1]
     assert cache.num_active_requests == 0
     cache.check_integrity()
-    results = simulate(load_scenario(SCENARIOS / "chat.yaml"), [Capacity(10), Capacity(100)], block_size=16,
-                       on_row=lambda row, c: (_ for _ in ()).throw(KeyboardInterrupt) if row.index == 3 else None)
+    results = simulate(
+        load_scenario(SCENARIOS / "chat.yaml"),
+        [Capacity(10), Capacity(100)],
+        block_size=16,
+        on_row=lambda row, c: (_ for _ in ()).throw(KeyboardInterrupt) if row.index == 3 else None,
+    )
     assert len(results) == 1 and results[0].partial and len(results[0].rows) == 4

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from prefixcache.core.errors import InputError
 from prefixcache.workload.generators import GENERATORS, generate
 from prefixcache.workload.render import ByteRenderer, Conversations
-from prefixcache.core.errors import InputError
 from prefixcache.workload.requests import Message, ScenarioRequest
 from prefixcache.workload.scenario import load_scenario
 from prefixcache.workload.trace import load_trace
@@ -33,8 +33,11 @@ def test_mooncake_sample_matches_raw_json():
     for k in (0, 1, 57, 199):
         r = trace[k]
         assert r.hash_ids == tuple(raw[k]["hash_ids"])
-        assert (r.input_length, r.output_length, r.timestamp) == (raw[k]["input_length"], raw[k]["output_length"],
-                                                                   raw[k]["timestamp"])
+        assert (r.input_length, r.output_length, r.timestamp) == (
+            raw[k]["input_length"],
+            raw[k]["output_length"],
+            raw[k]["timestamp"],
+        )
         assert r.namespace == "default" and r.line == k + 1
         assert len(r.hash_ids) == math.ceil(r.input_length / 512)
     assert trace.num_blocks == sum(len(d["hash_ids"]) for d in raw)
@@ -66,15 +69,18 @@ def test_by_timestamp_is_stable(tmp_path):
     assert [r.hash_ids[0] for r in t] == [3, 1, 0, 2]
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"timestamp": 0, "input_length": 1000, "hash_ids": [1, 2, 3]}', "3 hash_ids for input_length 1000"),
-    ('{"timestamp": 0, "input_length": 100, "hash_ids": [1], "colour": 2}', "unknown key 'colour'"),
-    ('{"timestamp": 0, "input_length": 100, "hash_ids": [1]', "not valid JSON"),
-    ('{"timestamp": 0, "hash_ids": [1]}', "missing field 'input_length'"),
-    ('{"timestamp": 0, "input_length": 100, "hash_ids": []}', "hash_ids must be a non-empty list"),
-    ('{"timestamp": 0, "input_length": 100, "hash_ids": [1.5]}', "64-bit integers, found 1.5"),
-    ('[1, 2]', "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"timestamp": 0, "input_length": 1000, "hash_ids": [1, 2, 3]}', "3 hash_ids for input_length 1000"),
+        ('{"timestamp": 0, "input_length": 100, "hash_ids": [1], "colour": 2}', "unknown key 'colour'"),
+        ('{"timestamp": 0, "input_length": 100, "hash_ids": [1]', "not valid JSON"),
+        ('{"timestamp": 0, "hash_ids": [1]}', "missing field 'input_length'"),
+        ('{"timestamp": 0, "input_length": 100, "hash_ids": []}', "hash_ids must be a non-empty list"),
+        ('{"timestamp": 0, "input_length": 100, "hash_ids": [1.5]}', "64-bit integers, found 1.5"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
 def test_bad_trace_line_names_file_and_line(tmp_path, line, message):
     good = SAMPLE.read_text().splitlines()[:3]
     p = tmp_path / "bad.jsonl"
@@ -112,19 +118,22 @@ def _write(tmp_path: Path, text: str) -> Path:
     return p
 
 
-@pytest.mark.parametrize("text, message, line", [
-    ("requests:\n  - text: hi\n    colour: red\n", "unknown key 'colour' in request 1", 3),
-    ("name: x\nbogus: 1\nrequests:\n  - text: hi\n", "unknown key 'bogus' in the scenario", 2),
-    ("requests:\n  - text: hi\n   - text: [unclosed\n", "malformed YAML", 3),
-    ("requests:\n  - text: hi\n    tokens: [1]\n", "exactly one of text / messages / tokens", 2),
-    ("requests:\n  - messages:\n      - {role: user, body: hi}\n", "unknown key 'body' in a message", 3),
-    ("generate:\n  shape: chat\n  users: 2\n  turnz: 3\n", "unknown key 'turnz' for shape 'chat'", 4),
-    ("generate:\n  shape: nope\n", "unknown shape 'nope'", 2),
-    ("capacity: -5\nrequests:\n  - text: hi\n", "capacity must be > 0", 1),
-    ("requests:\n  - tokens: [1, -2]\n", "tokens must be a non-empty list of integers >= 0", 2),
-    ("max_new_tokens: 0\nrequests:\n  - text: hi\n", "max_new_tokens must be an integer >= 1", 1),
-    ("name: only\n", "needs requests, generate or trace", 1),
-])
+@pytest.mark.parametrize(
+    "text, message, line",
+    [
+        ("requests:\n  - text: hi\n    colour: red\n", "unknown key 'colour' in request 1", 3),
+        ("name: x\nbogus: 1\nrequests:\n  - text: hi\n", "unknown key 'bogus' in the scenario", 2),
+        ("requests:\n  - text: hi\n   - text: [unclosed\n", "malformed YAML", 3),
+        ("requests:\n  - text: hi\n    tokens: [1]\n", "exactly one of text / messages / tokens", 2),
+        ("requests:\n  - messages:\n      - {role: user, body: hi}\n", "unknown key 'body' in a message", 3),
+        ("generate:\n  shape: chat\n  users: 2\n  turnz: 3\n", "unknown key 'turnz' for shape 'chat'", 4),
+        ("generate:\n  shape: nope\n", "unknown shape 'nope'", 2),
+        ("capacity: -5\nrequests:\n  - text: hi\n", "capacity must be > 0", 1),
+        ("requests:\n  - tokens: [1, -2]\n", "tokens must be a non-empty list of integers >= 0", 2),
+        ("max_new_tokens: 0\nrequests:\n  - text: hi\n", "max_new_tokens must be an integer >= 1", 1),
+        ("name: only\n", "needs requests, generate or trace", 1),
+    ],
+)
 def test_bad_scenario_names_file_line_and_key(tmp_path, text, message, line):
     p = _write(tmp_path, text)
     with pytest.raises(InputError) as e:
@@ -170,8 +179,12 @@ def test_byte_renderer_matches_builtin_tokenizer():
 
     tok = HFRenderer(byte_tokenizer())
     mine = ByteRenderer()
-    msgs = [Message("system", "Be brief."), Message("user", "héllo wörld"), Message("assistant", "ok"),
-            Message("user", "again")]
+    msgs = [
+        Message("system", "Be brief."),
+        Message("user", "héllo wörld"),
+        Message("assistant", "ok"),
+        Message("user", "again"),
+    ]
     assert mine.encode_chat(msgs) == tok.encode_chat(msgs)
     assert mine.encode_text("naïve text\nline 2") == tok.encode_text("naïve text\nline 2")
     conv = Conversations()

@@ -8,30 +8,32 @@ Ctrl-C stops a run cleanly, writes the partial run (marked ``"partial": true``) 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import typer
 
 from prefixcache.cli import console
-from prefixcache.reports.run_report import summary_table, to_html, to_markdown
-from prefixcache.reports.record import RunResult, build_record, load_record, save_record
-from prefixcache.sim.replay import DEFAULT_BLOCK_SIZE, Capacity, simulate as run_simulation, warmup_count
 from prefixcache.core.errors import InputError
+from prefixcache.core.eviction import POLICIES
+from prefixcache.reports.record import RunResult, build_record, load_record, save_record
+from prefixcache.reports.run_report import summary_table, to_html, to_markdown
+from prefixcache.sim.replay import DEFAULT_BLOCK_SIZE, Capacity, warmup_count
+from prefixcache.sim.replay import simulate as run_simulation
 from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
 from prefixcache.workload.trace import is_trace_path, load_trace
-from prefixcache.core.eviction import POLICIES
 
 app = typer.Typer(
     name="prefixcache",
     help="Prefix caching for LLM inference: simulate hit rates on traces and scenarios, replay them through a "
-         "model (cached vs uncached TTFT, output check), and render reports.\n\n"
-         "Examples:\n\n"
-         "  prefixcache simulate scenarios/chat.yaml --capacity 4096 --capacity 16384 --json run.json\n\n"
-         "  prefixcache simulate trace.jsonl --capacity-blocks 1000 --capacity unlimited\n\n"
-         "  prefixcache replay scenarios/shared_prompt.yaml --json run.json\n\n"
-         "  prefixcache report run.json --html run.html --markdown run.md",
+    "model (cached vs uncached TTFT, output check), and render reports.\n\n"
+    "Examples:\n\n"
+    "  prefixcache simulate scenarios/chat.yaml --capacity 4096 --capacity 16384 --json run.json\n\n"
+    "  prefixcache simulate trace.jsonl --capacity-blocks 1000 --capacity unlimited\n\n"
+    "  prefixcache replay scenarios/shared_prompt.yaml --json run.json\n\n"
+    "  prefixcache report run.json --html run.html --markdown run.md",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
@@ -59,8 +61,9 @@ def user_errors(fn: Callable) -> Callable:
 
 
 # ---- shared option handling ----------------------------------------------------------------------------
-def _capacities(capacity: list[str] | None, capacity_blocks: list[int] | None, block_size: int,
-                scenario: Scenario) -> list[Capacity]:
+def _capacities(
+    capacity: list[str] | None, capacity_blocks: list[int] | None, block_size: int, scenario: Scenario
+) -> list[Capacity]:
     caps: list[Capacity] = []
     for c in capacity or []:
         try:
@@ -104,14 +107,24 @@ def _load(path: Path, block_size: int | None, order: str) -> Scenario:
     if order == "timestamp":
         if scenario.trace is not None:
             return replace(scenario, trace=scenario.trace.by_timestamp())
-        order_key = sorted(range(len(scenario.requests)),
-                           key=lambda i: (scenario.requests[i].timestamp is None, scenario.requests[i].timestamp or 0))
+        order_key = sorted(
+            range(len(scenario.requests)),
+            key=lambda i: (scenario.requests[i].timestamp is None, scenario.requests[i].timestamp or 0),
+        )
         return replace(scenario, requests=tuple(scenario.requests[i] for i in order_key))
     return scenario
 
 
-def _finish(command: str, scenario: Scenario, settings: dict, results: list[RunResult], json_out: Path | None,
-            html: Path | None, markdown: Path | None, interrupted: bool) -> None:
+def _finish(
+    command: str,
+    scenario: Scenario,
+    settings: dict,
+    results: list[RunResult],
+    json_out: Path | None,
+    html: Path | None,
+    markdown: Path | None,
+    interrupted: bool,
+) -> None:
     record = build_record(command, str(scenario.path), settings, results, partial=interrupted)
     if record["totals"]:
         console.console.print(summary_table(record))
@@ -164,16 +177,19 @@ _JSON_HELP = "Write the run record (JSON, version 1) to this file."
 @user_errors
 def simulate(
     source: Path = typer.Argument(..., help="Scenario YAML, or a Mooncake-style JSONL trace (plain or .gz)."),
-    capacity: Optional[List[str]] = typer.Option(None, "--capacity", "-c", help=CAPACITY_HELP),
-    capacity_blocks: Optional[List[int]] = typer.Option(None, "--capacity-blocks", help="Capacity in blocks; repeatable."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per block (default: the scenario's, "
-                                             "16; for traces the trace's own: Mooncake 512, kv-tester 64)."),
+    capacity: list[str] | None = typer.Option(None, "--capacity", "-c", help=CAPACITY_HELP),
+    capacity_blocks: list[int] | None = typer.Option(None, "--capacity-blocks", help="Capacity in blocks; repeatable."),
+    block_size: int | None = typer.Option(
+        None,
+        "--block-size",
+        help="Tokens per block (default: the scenario's, 16; for traces the trace's own: Mooncake 512, kv-tester 64).",
+    ),
     warmup: float = typer.Option(0.0, "--warmup", help="Fraction of the requests used only to warm the cache."),
     eviction: str = typer.Option("lru", "--eviction", help="Eviction policy."),
     order: str = typer.Option("file", "--order", help="'file' order, or 'timestamp' (stable sort)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help=_JSON_HELP),
-    html: Optional[Path] = typer.Option(None, "--html", help="Also write an HTML report."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write a Markdown report."),
+    json_out: Path | None = typer.Option(None, "--json", help=_JSON_HELP),
+    html: Path | None = typer.Option(None, "--html", help="Also write an HTML report."),
+    markdown: Path | None = typer.Option(None, "--markdown", help="Also write a Markdown report."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Replay a scenario or trace through the prefix cache without a model: hit rates, evictions, occupancy.
@@ -183,19 +199,36 @@ def simulate(
     """
     _check_common(warmup, eviction, block_size)
     scenario = _load(source, block_size, order)
-    bs = scenario.trace.block_size if scenario.trace is not None else (block_size or scenario.block_size
-                                                                        or DEFAULT_BLOCK_SIZE)
+    bs = (
+        scenario.trace.block_size
+        if scenario.trace is not None
+        else (block_size or scenario.block_size or DEFAULT_BLOCK_SIZE)
+    )
     caps = _capacities(capacity, capacity_blocks, bs, scenario)
-    settings = {"source": str(source), "block_size": bs, "eviction": eviction, "warmup": warmup, "order": order,
-                "capacities": [c.label(bs) for c in caps], "requests": len(scenario),
-                "kind": "trace" if scenario.is_trace else "scenario"}
+    settings = {
+        "source": str(source),
+        "block_size": bs,
+        "eviction": eviction,
+        "warmup": warmup,
+        "order": order,
+        "capacities": [c.label(bs) for c in caps],
+        "requests": len(scenario),
+        "kind": "trace" if scenario.is_trace else "scenario",
+    }
     results: list[RunResult] = []
     interrupted = False
     with console.progress(progress) as p:
         prog = _Progress(p)
         try:
-            results = run_simulation(scenario, caps, block_size=bs, eviction=eviction, warmup=warmup,
-                                     on_start=lambda c, n: prog.start(c, n, bs), on_row=prog.row)
+            results = run_simulation(
+                scenario,
+                caps,
+                block_size=bs,
+                eviction=eviction,
+                warmup=warmup,
+                on_start=lambda c, n: prog.start(c, n, bs),
+                on_row=prog.row,
+            )
         except KeyboardInterrupt:
             interrupted = True
         prog.close()
@@ -206,21 +239,26 @@ def simulate(
 @user_errors
 def replay(
     scenario_path: Path = typer.Argument(..., metavar="SCENARIO", help="Scenario YAML (text, chat or token requests)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Built-in preset ('tiny', 'small') or a local "
-                                        "Hugging Face model folder. Default: the scenario's model, else 'tiny'."),
-    capacity: Optional[List[str]] = typer.Option(None, "--capacity", "-c", help=CAPACITY_HELP),
-    capacity_blocks: Optional[List[int]] = typer.Option(None, "--capacity-blocks", help="Capacity in blocks; repeatable."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per block (default: scenario's, 16)."),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="Built-in preset ('tiny', 'small') or a local "
+        "Hugging Face model folder. Default: the scenario's model, else 'tiny'.",
+    ),
+    capacity: list[str] | None = typer.Option(None, "--capacity", "-c", help=CAPACITY_HELP),
+    capacity_blocks: list[int] | None = typer.Option(None, "--capacity-blocks", help="Capacity in blocks; repeatable."),
+    block_size: int | None = typer.Option(None, "--block-size", help="Tokens per block (default: scenario's, 16)."),
     warmup: float = typer.Option(0.0, "--warmup", help="Fraction of the requests used only to warm the cache."),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also run each request uncached."),
     verify: bool = typer.Option(False, "--verify", help="Exit with an error (code 1) if any output differs."),
     eviction: str = typer.Option("lru", "--eviction", help="Eviction policy of the wrapper's cache."),
-    max_requests: Optional[int] = typer.Option(None, "--max-requests", help="Replay only the first N requests."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default), bfloat16, float16."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, ..."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help=_JSON_HELP),
-    html: Optional[Path] = typer.Option(None, "--html", help="Also write an HTML report."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write a Markdown report."),
+    max_requests: int | None = typer.Option(None, "--max-requests", help="Replay only the first N requests."),
+    dtype: str | None = typer.Option(None, "--dtype", help="float32 (default), bfloat16, float16."),
+    device: str | None = typer.Option(None, "--device", help="cpu (default), cuda, ..."),
+    json_out: Path | None = typer.Option(None, "--json", help=_JSON_HELP),
+    html: Path | None = typer.Option(None, "--html", help="Also write an HTML report."),
+    markdown: Path | None = typer.Option(None, "--markdown", help="Also write a Markdown report."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Replay a scenario through a real model, cached and (unless --no-baseline) uncached.
@@ -233,30 +271,49 @@ def replay(
         raise UsageError(f"--max-requests must be > 0, got {max_requests}")
     scenario = _load(scenario_path, None, "file")
     if scenario.trace is not None:
-        raise UsageError(f"{scenario_path}: hash-id traces have no tokens; they can only be simulated "
-                         "(prefixcache simulate)")
+        raise UsageError(
+            f"{scenario_path}: hash-id traces have no tokens; they can only be simulated (prefixcache simulate)"
+        )
     if max_requests is not None:
         scenario = replace(scenario, requests=scenario.requests[:max_requests])
     bs = block_size or scenario.block_size or DEFAULT_BLOCK_SIZE
     caps = _capacities(capacity, capacity_blocks, bs, scenario)
     model_name = model or scenario.model or "tiny"
     try:
-        from engine.replay import ReplayError, replay as run_replay  # lazy: torch + transformers
+        from engine.replay import ReplayError  # lazy: torch + transformers
+        from engine.replay import replay as run_replay
     except ImportError as exc:  # pragma: no cover - engine is part of the package
         raise UsageError(f"replay needs the engine package (torch, transformers): {exc}") from None
-    settings = {"source": str(scenario_path), "model": model_name, "block_size": bs, "eviction": eviction,
-                "warmup": warmup,
-                "baseline": baseline, "capacities": [c.label(bs) for c in caps], "requests": len(scenario),
-                "dtype": dtype or "float32", "device": device or "cpu"}
+    settings = {
+        "source": str(scenario_path),
+        "model": model_name,
+        "block_size": bs,
+        "eviction": eviction,
+        "warmup": warmup,
+        "baseline": baseline,
+        "capacities": [c.label(bs) for c in caps],
+        "requests": len(scenario),
+        "dtype": dtype or "float32",
+        "device": device or "cpu",
+    }
     results: list[RunResult] = []
     interrupted = False
     with console.progress(progress) as p:
         prog = _Progress(p)
         try:
-            results, info = run_replay(scenario, caps, model=model_name, block_size=bs, eviction=eviction,
-                                       warmup=warmup,
-                                       baseline=baseline, dtype=dtype, device=device,
-                                       on_start=lambda c, n: prog.start(c, n, bs), on_row=prog.row)
+            results, info = run_replay(
+                scenario,
+                caps,
+                model=model_name,
+                block_size=bs,
+                eviction=eviction,
+                warmup=warmup,
+                baseline=baseline,
+                dtype=dtype,
+                device=device,
+                on_start=lambda c, n: prog.start(c, n, bs),
+                on_row=prog.row,
+            )
             settings.update(info)
         except ReplayError as exc:
             raise UsageError(str(exc)) from None
@@ -277,9 +334,9 @@ def replay(
 @user_errors
 def report(
     run: Path = typer.Argument(..., help="A run record written with --json."),
-    html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report (plots embedded)."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a Markdown report (plots as PNG beside it)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the (checked) run record to this file."),
+    html: Path | None = typer.Option(None, "--html", help="Write a self-contained HTML report (plots embedded)."),
+    markdown: Path | None = typer.Option(None, "--markdown", help="Write a Markdown report (plots as PNG beside it)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the (checked) run record to this file."),
 ) -> None:
     """Render a saved run: a terminal summary, and optionally HTML and Markdown with plots."""
     record = load_record(run)

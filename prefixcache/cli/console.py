@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -27,9 +27,15 @@ def progress(enabled: bool = True) -> Iterator[Progress]:
     """A progress display with a ``hit`` field (running hit rate); shows nothing when disabled or not a TTY."""
     enabled = enabled and err_console.is_terminal
     p = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("token hit rate {task.fields[hit]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=err_console, disable=not enabled, transient=False,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("token hit rate {task.fields[hit]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        disable=not enabled,
+        transient=False,
     )
     with p:
         yield p

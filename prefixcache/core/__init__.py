@@ -8,13 +8,13 @@ from prefixcache.core.eviction import POLICIES
 from prefixcache.core.stats import CacheStats
 
 __all__ = [
+    "DEFAULT_NAMESPACE",
+    "POLICIES",
     "CacheConfig",
     "CacheStats",
     "CommitResult",
-    "DEFAULT_NAMESPACE",
     "InputError",
     "MatchResult",
-    "POLICIES",
     "PrefixCache",
     "RequestHandle",
 ]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from prefixcache.core.allocator import BlockAllocator
 from prefixcache.core.config import DEFAULT_NAMESPACE, CacheConfig
@@ -79,8 +80,9 @@ def _ensure_namespace(namespace: str) -> str:
 class PrefixCache:
     """Maps cached prefixes to KV block ids; evicts least valuable unpinned leaves when full."""
 
-    def __init__(self, config: CacheConfig, *, hasher: BlockHasher | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, config: CacheConfig, *, hasher: BlockHasher | None = None, clock: Callable[[], float] | None = None
+    ) -> None:
         """``hasher`` replaces the seeded xxh3_128 block hash (a test seam for forced collisions).
         ``clock()`` is the time in seconds that retention (``keep_for``) is measured on; default
         time.monotonic (a trace replay passes the trace's clock)."""
@@ -137,7 +139,11 @@ class PrefixCache:
         return self._finish_match("tokens", namespace, root, path, data, n, -(-n // self.block_size))
 
     def match_keys(
-        self, keys: Sequence[Any], namespace: str = DEFAULT_NAMESPACE, *, max_blocks: int | None = None,
+        self,
+        keys: Sequence[Any],
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        max_blocks: int | None = None,
         num_tokens: int | None = None,
     ) -> MatchResult:
         """Like ``match`` for precomputed block keys (e.g. Mooncake ``hash_ids``): ``keys[i]`` names block i
@@ -164,7 +170,9 @@ class PrefixCache:
         path = self.tree.walk_tokens(root, arr.tobytes(), (len(arr) - 1) // self.block_size)
         return sum(s.matched for s in path) * self.block_size
 
-    def _finish_match(self, mode: str, namespace: str, root: Node, path: list[Step], prompt: Any, n: int, nblocks: int) -> MatchResult:
+    def _finish_match(
+        self, mode: str, namespace: str, root: Node, path: list[Step], prompt: Any, n: int, nblocks: int
+    ) -> MatchResult:
         terminal = self._split_last(path) if path else root
         self._clock += 1
         handle = RequestHandle(next(self._ids), mode, namespace, root, prompt)
@@ -198,8 +206,14 @@ class PrefixCache:
         return last.node
 
     # ---- commit --------------------------------------------------------------------------------------
-    def commit(self, handle: RequestHandle, tokens: Any = None, *, keep_for: float | None = None,
-               keep_tokens: int | None = None) -> CommitResult:
+    def commit(
+        self,
+        handle: RequestHandle,
+        tokens: Any = None,
+        *,
+        keep_for: float | None = None,
+        keep_tokens: int | None = None,
+    ) -> CommitResult:
         """Cache the full blocks of ``tokens`` (default: the prompt given to ``match``), e.g. prompt + output.
 
         Changes the cache: inserts new blocks (evicting unpinned leaves as needed; when the pool cannot make
@@ -229,8 +243,14 @@ class PrefixCache:
         keep_blocks = None if keep_tokens is None else _check_count(keep_tokens, "keep_tokens") // self.block_size
         return self._insert(handle, root, path, nblocks, make, keep_for, keep_blocks)
 
-    def commit_keys(self, handle: RequestHandle, keys: Sequence[Any] | None = None, *,
-                    keep_for: float | None = None, keep_blocks: int | None = None) -> CommitResult:
+    def commit_keys(
+        self,
+        handle: RequestHandle,
+        keys: Sequence[Any] | None = None,
+        *,
+        keep_for: float | None = None,
+        keep_blocks: int | None = None,
+    ) -> CommitResult:
         """``commit`` for precomputed keys (default: the keys given to ``match_keys``); ``keep_blocks`` limits
         ``keep_for`` to the first blocks."""
         self._check_live(handle)
@@ -241,8 +261,9 @@ class PrefixCache:
         path = self.tree.walk_keys(root, keys, len(keys))
         if keep_blocks is not None:
             keep_blocks = _check_count(keep_blocks, "keep_blocks")
-        return self._insert(handle, root, path, len(keys), lambda a, b, parent: (keys[a:b], None), keep_for,
-                            keep_blocks)
+        return self._insert(
+            handle, root, path, len(keys), lambda a, b, parent: (keys[a:b], None), keep_for, keep_blocks
+        )
 
     def retain_namespace(self, namespace: str, keep_for: float | None) -> None:
         """Default ``keep_for`` of every later commit in ``namespace`` (None: stop). Changes only that default."""
@@ -251,8 +272,16 @@ class PrefixCache:
         else:
             self._namespace_keep[_ensure_namespace(namespace)] = _check_keep_for(keep_for)
 
-    def _insert(self, handle: RequestHandle, root: Node, path: list[Step], nblocks: int, make,
-                keep_for: float | None = None, keep_blocks: int | None = None) -> CommitResult:
+    def _insert(
+        self,
+        handle: RequestHandle,
+        root: Node,
+        path: list[Step],
+        nblocks: int,
+        make,
+        keep_for: float | None = None,
+        keep_blocks: int | None = None,
+    ) -> CommitResult:
         if keep_for is None:
             keep_for = self._namespace_keep.get(handle.namespace)
         until = None if keep_for is None else self.clock() + _check_keep_for(keep_for)
@@ -405,7 +434,9 @@ class PrefixCache:
             if not parent.is_root and parent.last_access < node.last_access:
                 raise AssertionError(f"{where} was used more recently than its parent {parent.id}")
             if node.pins != expected_pins.get(node.id, 0):
-                raise AssertionError(f"{where}: pins={node.pins}, live requests through it={expected_pins.get(node.id, 0)}")
+                raise AssertionError(
+                    f"{where}: pins={node.pins}, live requests through it={expected_pins.get(node.id, 0)}"
+                )
             for b in node.blocks:
                 if b in seen:
                     raise AssertionError(f"block {b} is cached twice")

@@ -10,7 +10,8 @@ that look at retention use it).
 from __future__ import annotations
 
 import math
-from typing import Callable, Hashable, Iterator, Optional, Protocol
+from collections.abc import Callable, Hashable, Iterator
+from typing import Protocol
 
 from sortedcontainers import SortedDict
 
@@ -83,17 +84,17 @@ class KeyedPolicy:
         return iter(list(self._order.values()))
 
 
-def lru(clock: Optional[Clock] = None) -> EvictionPolicy:
+def lru(clock: Clock | None = None) -> EvictionPolicy:
     """Least recently used first (last match or insert)."""
     return KeyedPolicy(lambda n: n.last_access)
 
 
-def fifo(clock: Optional[Clock] = None) -> EvictionPolicy:
+def fifo(clock: Clock | None = None) -> EvictionPolicy:
     """Oldest inserted first, whatever its use since."""
     return KeyedPolicy(lambda n: n.created)
 
 
-def lfu(clock: Optional[Clock] = None) -> EvictionPolicy:
+def lfu(clock: Clock | None = None) -> EvictionPolicy:
     """Fewest hits first; among equals, least recently used."""
     return KeyedPolicy(lambda n: (n.hits, n.last_access))
 
@@ -140,7 +141,7 @@ class RetentionPolicy:
             return
         now = self._clock()
         while kept and kept.peekitem(0)[0][0] <= now:
-            k, node = kept.popitem(0)
+            _k, node = kept.popitem(0)
             del self._kept_keys[node.id]
             self._free.add(node)
 
@@ -163,7 +164,7 @@ class RetentionPolicy:
         return iter([*self._free, *self._kept.values()])
 
 
-def priority(clock: Optional[Clock] = None) -> EvictionPolicy:
+def priority(clock: Clock | None = None) -> EvictionPolicy:
     """LRU, except blocks retained with ``keep_for`` stay until their time runs out (see RetentionPolicy)."""
     if clock is None:
         import time

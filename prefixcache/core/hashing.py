@@ -6,7 +6,8 @@ namespaces never produce the same chain. Token ids travel as little-endian int32
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -38,7 +39,9 @@ def namespace_root(namespace: str, seed: int) -> bytes:
     return xxhash.xxh3_128_digest(b"prefixcache-namespace\x00" + namespace.encode("utf-8"), seed)
 
 
-def chain_hashes(hasher: BlockHasher, parent: bytes, data: bytes, block_size: int, start: int, stop: int) -> list[bytes]:
+def chain_hashes(
+    hasher: BlockHasher, parent: bytes, data: bytes, block_size: int, start: int, stop: int
+) -> list[bytes]:
     """Hashes of blocks ``start..stop-1`` of ``data`` (token bytes), chained from ``parent``."""
     bb = block_size * TOKEN_BYTES
     out: list[bytes] = []
@@ -90,8 +93,7 @@ def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
         if kind == "i" and arr.min() < 0:
             bad = int(np.argmax(arr < 0))
             raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be >= 0")
-        if size > 4 or (kind == "u" and size == 4):
-            if arr.max() > _MAX_TOKEN:
-                bad = int(np.argmax(arr > _MAX_TOKEN))
-                raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be < 2**31")
+        if (size > 4 or (kind == "u" and size == 4)) and arr.max() > _MAX_TOKEN:
+            bad = int(np.argmax(arr > _MAX_TOKEN))
+            raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be < 2**31")
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)

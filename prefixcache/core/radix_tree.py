@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Iterator, NamedTuple, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from prefixcache.core.hashing import TOKEN_BYTES, BlockHasher
 
@@ -21,10 +22,21 @@ _ids = itertools.count(1)
 
 
 class Node:
-    __slots__ = ("id", "parent", "keys", "blocks", "tokens", "children", "pins", "last_access", "created", "hits",
-                 "keep_until")
+    __slots__ = (
+        "blocks",
+        "children",
+        "created",
+        "hits",
+        "id",
+        "keep_until",
+        "keys",
+        "last_access",
+        "parent",
+        "pins",
+        "tokens",
+    )
 
-    def __init__(self, parent: "Node | None", keys: list, blocks: list[int], tokens: bytes | None, now: int) -> None:
+    def __init__(self, parent: Node | None, keys: list, blocks: list[int], tokens: bytes | None, now: int) -> None:
         self.id = next(_ids)
         self.parent = parent
         self.keys = keys
@@ -75,7 +87,9 @@ def _first_mismatch(a: Sequence, b: Sequence) -> int:
 class RadixTree:
     """The tree of one cache: one root per (mode, namespace)."""
 
-    def __init__(self, block_size: int, hasher: BlockHasher, root_hash: Callable[[str], bytes], verify_tokens: bool) -> None:
+    def __init__(
+        self, block_size: int, hasher: BlockHasher, root_hash: Callable[[str], bytes], verify_tokens: bool
+    ) -> None:
         self.block_size = block_size
         self.block_bytes = block_size * TOKEN_BYTES
         self.hasher = hasher
@@ -158,7 +172,9 @@ class RadixTree:
         parent = node.parent
         assert parent is not None
         bb = self.block_bytes
-        head = Node(parent, node.keys[:at], node.blocks[:at], None if node.tokens is None else node.tokens[: at * bb], 0)
+        head = Node(
+            parent, node.keys[:at], node.blocks[:at], None if node.tokens is None else node.tokens[: at * bb], 0
+        )
         head.pins, head.last_access, head.created, head.hits = node.pins, node.last_access, node.created, node.hits
         head.keep_until = node.keep_until
         parent.children[head.keys[0]] = head

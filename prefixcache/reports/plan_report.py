@@ -47,21 +47,38 @@ def settings(plan: Plan) -> list[tuple[str, str]]:
         ("trace", plan.trace),
         ("requests", f"{plan.requests:,} ({plan.measured_requests:,} measured, warm-up {plan.warmup:g})"),
         ("order", plan.order + (" (stable sort by timestamp)" if plan.order == "timestamp" else "")),
-        ("hit rate", "token-weighted (cached prompt tokens / prompt tokens)" if plan.weight == "tokens"
-         else "block-weighted (hit blocks / looked-up blocks)"),
+        (
+            "hit rate",
+            "token-weighted (cached prompt tokens / prompt tokens)"
+            if plan.weight == "tokens"
+            else "block-weighted (hit blocks / looked-up blocks)",
+        ),
         ("block size", f"{plan.block_size} tokens"),
-        ("working set", f"{plan.working_set_blocks:,} blocks ({_tokens(plan.working_set_blocks * plan.block_size)} tokens)"),
+        (
+            "working set",
+            f"{plan.working_set_blocks:,} blocks ({_tokens(plan.working_set_blocks * plan.block_size)} tokens)",
+        ),
         ("achievable hit rate", f"{plan.unlimited_rate:.2%} (unlimited capacity)"),
     ]
     if m is not None:
-        lines.append(("model KV", f"{m.name}: {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} dims x "
-                                  f"{m.dtype} = {m.bytes_per_token:,} B/token, "
-                                  f"{m.bytes_per_block(plan.block_size):,} B/block"))
+        lines.append(
+            (
+                "model KV",
+                f"{m.name}: {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} dims x "
+                f"{m.dtype} = {m.bytes_per_token:,} B/token, "
+                f"{m.bytes_per_block(plan.block_size):,} B/block",
+            )
+        )
     if plan.keep_for is not None:
         lines.append(("retention", f"every request keeps its prefix {plan.keep_for:g} s (priority policy)"))
     if "optimal" in plan.rates:
-        lines.append(("optimal bound", "Belady's rule adapted to prefix caching: exact in blocks without warm-up; "
-                                       "an upper bound with warm-up or token weighting"))
+        lines.append(
+            (
+                "optimal bound",
+                "Belady's rule adapted to prefix caching: exact in blocks without warm-up; "
+                "an upper bound with warm-up or token weighting",
+            )
+        )
     return lines
 
 
@@ -92,9 +109,13 @@ def answer_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
     rows = []
     for a in plan.answers:
         approx = "" if a.exact else "<= "
-        row = [_label(a.curve), f"{a.fraction:.0%}", f"{a.target_rate:.2%}",
-               "not reached" if a.capacity_blocks is None else f"{approx}{a.capacity_blocks:,}",
-               "-" if a.capacity_tokens is None else f"{approx}{_tokens(a.capacity_tokens)}"]
+        row = [
+            _label(a.curve),
+            f"{a.fraction:.0%}",
+            f"{a.target_rate:.2%}",
+            "not reached" if a.capacity_blocks is None else f"{approx}{a.capacity_blocks:,}",
+            "-" if a.capacity_tokens is None else f"{approx}{_tokens(a.capacity_tokens)}",
+        ]
         if plan.model is not None:
             row.append("-" if a.gb is None else f"{approx}{_gb(a.gb)}")
         rows.append(row)
@@ -103,8 +124,11 @@ def answer_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
 
 def answer_table(plan: Plan) -> Table:
     header, rows = answer_rows(plan)
-    t = Table(title=f"Capacity for a share of the achievable hit rate ({plan.unlimited_rate:.2%}); "
-                    "'<=' = first grid point reaching it", title_justify="left")
+    t = Table(
+        title=f"Capacity for a share of the achievable hit rate ({plan.unlimited_rate:.2%}); "
+        "'<=' = first grid point reaching it",
+        title_justify="left",
+    )
     for h in header:
         t.add_column(h, justify="left" if h == "curve" else "right")
     for r in rows:
@@ -120,20 +144,42 @@ def to_dict(plan: Plan, full_curve_points: int = 512) -> dict:
     lru = plan.lru.rates(plan.weight)
     m = plan.model
     return {
-        "trace": plan.trace, "order": plan.order, "weight": plan.weight, "warmup": plan.warmup,
-        "block_size": plan.block_size, "requests": plan.requests, "measured_requests": plan.measured_requests,
-        "working_set_blocks": plan.working_set_blocks, "unlimited_rate": plan.unlimited_rate,
+        "trace": plan.trace,
+        "order": plan.order,
+        "weight": plan.weight,
+        "warmup": plan.warmup,
+        "block_size": plan.block_size,
+        "requests": plan.requests,
+        "measured_requests": plan.measured_requests,
+        "working_set_blocks": plan.working_set_blocks,
+        "unlimited_rate": plan.unlimited_rate,
         "keep_for": plan.keep_for,
-        "model": None if m is None else {"name": m.name, "layers": m.layers, "kv_heads": m.kv_heads,
-                                          "head_dim": m.head_dim, "dtype": m.dtype,
-                                          "bytes_per_token": m.bytes_per_token,
-                                          "bytes_per_block": m.bytes_per_block(plan.block_size)},
+        "model": None
+        if m is None
+        else {
+            "name": m.name,
+            "layers": m.layers,
+            "kv_heads": m.kv_heads,
+            "head_dim": m.head_dim,
+            "dtype": m.dtype,
+            "bytes_per_token": m.bytes_per_token,
+            "bytes_per_block": m.bytes_per_block(plan.block_size),
+        },
         "grid_blocks": list(plan.grid),
         "rates": {k: list(v) for k, v in plan.rates.items()},
         "lru_curve": {"blocks": caps.tolist(), "rate": [float(lru[c - 1]) for c in caps]},
-        "answers": [{"curve": a.curve, "fraction": a.fraction, "target_rate": a.target_rate,
-                     "blocks": a.capacity_blocks, "tokens": a.capacity_tokens, "gb": a.gb, "exact": a.exact}
-                    for a in plan.answers],
+        "answers": [
+            {
+                "curve": a.curve,
+                "fraction": a.fraction,
+                "target_rate": a.target_rate,
+                "blocks": a.capacity_blocks,
+                "tokens": a.capacity_tokens,
+                "gb": a.gb,
+                "exact": a.exact,
+            }
+            for a in plan.answers
+        ],
         "seconds": plan.seconds,
     }
 
@@ -210,7 +256,11 @@ def to_markdown(plan: Plan, path: str | Path) -> list[Path]:
     lines = [f"# {title(plan)}", "", f"![hit rate against capacity]({png.name})", ""]
     lines += [f"- **{k}**: {v}" for k, v in settings(plan)] + [""]
     lines += ["## Capacity for a share of the achievable hit rate", ""]
-    lines += _md_table(*answer_rows(plan)) + ["", "'<=': the first grid capacity that reaches it (replayed policies).", ""]
+    lines += _md_table(*answer_rows(plan)) + [
+        "",
+        "'<=': the first grid capacity that reaches it (replayed policies).",
+        "",
+    ]
     lines += [f"## {plan.weight[:-1].capitalize()}-weighted hit rate by capacity", ""] + _md_table(*_curve_rows(plan))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return [path, png]
@@ -223,8 +273,13 @@ td:not(:first-child){text-align:right}th{background:#f3f3f3}img{max-width:100%}"
 
 def _html_table(header: list[str], rows: list[list[str]]) -> str:
     e = html.escape
-    return ("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"
-            + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>")
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{e(h)}</th>" for h in header)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows)
+        + "</table>"
+    )
 
 
 def to_html(plan: Plan, path: str | Path) -> Path:
@@ -233,13 +288,18 @@ def to_html(plan: Plan, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     e = html.escape
     img = base64.b64encode(plot_png(plan)).decode("ascii")
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title(plan))}</title>",
-             f"<style>{_CSS}</style></head><body><h1>{e(title(plan))}</h1>",
-             f"<img alt='hit rate against capacity' src='data:image/png;base64,{img}'>",
-             "<h2>Settings</h2>", _html_table(["", ""], [list(kv) for kv in settings(plan)]),
-             "<h2>Capacity for a share of the achievable hit rate</h2>", _html_table(*answer_rows(plan)),
-             "<p>'&lt;=': the first grid capacity that reaches it (replayed policies).</p>",
-             f"<h2>{e(plan.weight[:-1].capitalize())}-weighted hit rate by capacity</h2>", _html_table(*_curve_rows(plan)),
-             "</body></html>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title(plan))}</title>",
+        f"<style>{_CSS}</style></head><body><h1>{e(title(plan))}</h1>",
+        f"<img alt='hit rate against capacity' src='data:image/png;base64,{img}'>",
+        "<h2>Settings</h2>",
+        _html_table(["", ""], [list(kv) for kv in settings(plan)]),
+        "<h2>Capacity for a share of the achievable hit rate</h2>",
+        _html_table(*answer_rows(plan)),
+        "<p>'&lt;=': the first grid capacity that reaches it (replayed policies).</p>",
+        f"<h2>{e(plan.weight[:-1].capitalize())}-weighted hit rate by capacity</h2>",
+        _html_table(*_curve_rows(plan)),
+        "</body></html>",
+    ]
     path.write_text("\n".join(parts), encoding="utf-8")
     return path

@@ -16,9 +16,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from prefixcache.core.errors import InputError
 
@@ -134,10 +135,17 @@ def build_record(command: str, source: str, settings: dict, results: list[RunRes
         "source": source,
         "settings": settings,
         "totals": [r.totals() for r in results],
-        "runs": [{"capacity_tokens": None if r.unlimited else r.capacity_tokens,
-                  "capacity_blocks": None if r.unlimited else r.capacity_blocks,
-                  "pool_blocks": r.capacity_blocks, "block_size": r.block_size, "partial": r.partial,
-                  "rows": [asdict(row) for row in r.rows]} for r in results],
+        "runs": [
+            {
+                "capacity_tokens": None if r.unlimited else r.capacity_tokens,
+                "capacity_blocks": None if r.unlimited else r.capacity_blocks,
+                "pool_blocks": r.capacity_blocks,
+                "block_size": r.block_size,
+                "partial": r.partial,
+                "rows": [asdict(row) for row in r.rows],
+            }
+            for r in results
+        ],
     }
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import base64
 import html
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from rich.table import Table
@@ -53,13 +53,28 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("peak pool occupancy", lambda t: _pct(t["peak_pool_occupancy"])),
 ]
 TIMING_ROWS: list[tuple[str, Callable[[dict], str]]] = [
-    ("TTFT p50 cached / uncached", lambda t: f"{_ms(t.get('ttft_cached_p50_s'))} / {_ms(t.get('ttft_uncached_p50_s'))}"),
-    ("TTFT p90 cached / uncached", lambda t: f"{_ms(t.get('ttft_cached_p90_s'))} / {_ms(t.get('ttft_uncached_p90_s'))}"),
-    ("TTFT p99 cached / uncached", lambda t: f"{_ms(t.get('ttft_cached_p99_s'))} / {_ms(t.get('ttft_uncached_p99_s'))}"),
+    (
+        "TTFT p50 cached / uncached",
+        lambda t: f"{_ms(t.get('ttft_cached_p50_s'))} / {_ms(t.get('ttft_uncached_p50_s'))}",
+    ),
+    (
+        "TTFT p90 cached / uncached",
+        lambda t: f"{_ms(t.get('ttft_cached_p90_s'))} / {_ms(t.get('ttft_uncached_p90_s'))}",
+    ),
+    (
+        "TTFT p99 cached / uncached",
+        lambda t: f"{_ms(t.get('ttft_cached_p99_s'))} / {_ms(t.get('ttft_uncached_p99_s'))}",
+    ),
     ("TTFT speedup (p50)", lambda t: _x(t.get("ttft_speedup_p50"))),
     ("total time cached / uncached", lambda t: f"{_sec(t.get('time_cached_s'))} / {_sec(t.get('time_uncached_s'))}"),
-    ("outputs match", lambda t: f"{t['outputs_checked'] - t['outputs_mismatched']}/{t['outputs_checked']}"
-                                if t.get("outputs_checked") else "not checked"),
+    (
+        "outputs match",
+        lambda t: (
+            f"{t['outputs_checked'] - t['outputs_mismatched']}/{t['outputs_checked']}"
+            if t.get("outputs_checked")
+            else "not checked"
+        ),
+    ),
 ]
 
 
@@ -139,12 +154,12 @@ def plot_hit_rate(record: dict) -> bytes:
         p = np.cumsum([r.prompt_tokens for r in rows], dtype=float)
         c = np.cumsum([r.cached_tokens for r in rows], dtype=float)
         x = np.arange(1, len(rows) + 1)
-        line, = ax.plot(x, c / np.maximum(p, 1), label=_run_label(record, k))
+        (line,) = ax.plot(x, c / np.maximum(p, 1), label=_run_label(record, k))
         w = max(1, len(rows) // 50)
         if w > 1:
             pw = np.convolve([r.prompt_tokens for r in rows], np.ones(w), "valid")
             cw = np.convolve([r.cached_tokens for r in rows], np.ones(w), "valid")
-            ax.plot(x[w - 1:], cw / np.maximum(pw, 1), color=line.get_color(), alpha=0.25, lw=0.8)
+            ax.plot(x[w - 1 :], cw / np.maximum(pw, 1), color=line.get_color(), alpha=0.25, lw=0.8)
     ax.set_xlabel("request")
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
@@ -159,9 +174,16 @@ def plot_saved(record: dict) -> bytes:
     for k, run in enumerate(record["runs"]):
         rows = _measured(run)
         if rows:
-            ax.plot(np.arange(1, len(rows) + 1), np.cumsum([r.cached_tokens for r in rows]), label=_run_label(record, k))
-            ax.plot(np.arange(1, len(rows) + 1), np.cumsum([r.prompt_tokens for r in rows]), ls=":", color="gray",
-                    label="prompt tokens" if k == 0 else None)
+            ax.plot(
+                np.arange(1, len(rows) + 1), np.cumsum([r.cached_tokens for r in rows]), label=_run_label(record, k)
+            )
+            ax.plot(
+                np.arange(1, len(rows) + 1),
+                np.cumsum([r.prompt_tokens for r in rows]),
+                ls=":",
+                color="gray",
+                label="prompt tokens" if k == 0 else None,
+            )
     ax.set_xlabel("request")
     ax.set_ylabel("tokens")
     ax.set_title("Cumulative prefill tokens saved")
@@ -177,12 +199,21 @@ def plot_ttft(record: dict) -> bytes | None:
     fig, ax = _fig()
     for k, rows in runs:
         if k == 0 and any(r.ttft_uncached_s is not None for r in rows):
-            ax.plot([r.index for r in rows],
-                    [1000 * r.ttft_uncached_s if r.ttft_uncached_s is not None else np.nan for r in rows], ".",
-                    label="uncached", color="tab:red", ms=4)
-        ax.plot([r.index for r in rows],
-                [1000 * r.ttft_cached_s if r.ttft_cached_s is not None else np.nan for r in rows], ".",
-                label=f"cached, {_run_label(record, k)}", ms=4)
+            ax.plot(
+                [r.index for r in rows],
+                [1000 * r.ttft_uncached_s if r.ttft_uncached_s is not None else np.nan for r in rows],
+                ".",
+                label="uncached",
+                color="tab:red",
+                ms=4,
+            )
+        ax.plot(
+            [r.index for r in rows],
+            [1000 * r.ttft_cached_s if r.ttft_cached_s is not None else np.nan for r in rows],
+            ".",
+            label=f"cached, {_run_label(record, k)}",
+            ms=4,
+        )
     ax.set_xlabel("request")
     ax.set_ylabel("time to first token (ms)")
     ax.set_title("TTFT cached vs uncached")
@@ -214,10 +245,14 @@ def plot_capacity(record: dict) -> bytes | None:
 
 def plots(record: dict) -> list[tuple[str, str, bytes]]:
     """(file stem, caption, PNG) for every plot that applies to the record."""
-    out = [("hit_rate", "Hit rate over the run", plot_hit_rate(record)),
-           ("tokens_saved", "Cumulative prefill tokens saved", plot_saved(record))]
-    for stem, caption, fn in (("ttft", "TTFT cached vs uncached", plot_ttft),
-                              ("capacity", "Hit rate against capacity", plot_capacity)):
+    out = [
+        ("hit_rate", "Hit rate over the run", plot_hit_rate(record)),
+        ("tokens_saved", "Cumulative prefill tokens saved", plot_saved(record)),
+    ]
+    for stem, caption, fn in (
+        ("ttft", "TTFT cached vs uncached", plot_ttft),
+        ("capacity", "Hit rate against capacity", plot_capacity),
+    ):
         png = fn(record)
         if png is not None:
             out.append((stem, caption, png))
@@ -234,7 +269,12 @@ def to_markdown(record: dict, path: str | Path) -> list[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header, rows = summary_rows(record)
-    lines = [f"# {title(record)}", "", f"Run record version {record['version']}, created {record.get('created', '?')}.", ""]
+    lines = [
+        f"# {title(record)}",
+        "",
+        f"Run record version {record['version']}, created {record.get('created', '?')}.",
+        "",
+    ]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "## Settings", "", "| setting | value |", "|---|---|"]
@@ -260,18 +300,26 @@ def to_html(record: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     header, rows = summary_rows(record)
     e = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title(record))}</title>",
-             f"<style>{_CSS}</style></head><body>", f"<h1>{e(title(record))}</h1>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title(record))}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>{e(title(record))}</h1>",
+    ]
     if record.get("partial"):
         parts.append("<p class='partial'>This run was interrupted: the figures cover the requests served so far.</p>")
     parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
     parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
     parts.append("</table>")
     for _, caption, png in plots(record):
-        parts.append(f"<h2>{e(caption)}</h2><img alt='{e(caption)}' src='data:image/png;base64,"
-                     f"{base64.b64encode(png).decode('ascii')}'>")
-    parts.append("<h2>Settings</h2><table>" + "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>"
-                                                       for k, v in _settings_lines(record)) + "</table>")
+        parts.append(
+            f"<h2>{e(caption)}</h2><img alt='{e(caption)}' src='data:image/png;base64,"
+            f"{base64.b64encode(png).decode('ascii')}'>"
+        )
+    parts.append(
+        "<h2>Settings</h2><table>"
+        + "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in _settings_lines(record))
+        + "</table>"
+    )
     parts.append(f"<p>Run record version {record['version']}, created {e(str(record.get('created', '?')))}.</p>")
     parts.append("</body></html>")
     path.write_text("\n".join(parts), encoding="utf-8")

@@ -30,8 +30,8 @@ counted in blocks, and for the bounds used with warm-up and token weighting.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -92,8 +92,14 @@ def canonical_blocks(trace) -> NodeTrace:
     if nodes is None:
         nodes = _walk_nodes(ids, offsets, req_ns)
     num = int(nodes.max()) + 1 if len(nodes) else 0
-    return NodeTrace(nodes, offsets, np.asarray(trace.input_length, dtype=np.int64),
-                     np.asarray(trace.timestamp, dtype=np.float64), int(trace.block_size), num)
+    return NodeTrace(
+        nodes,
+        offsets,
+        np.asarray(trace.input_length, dtype=np.int64),
+        np.asarray(trace.timestamp, dtype=np.float64),
+        int(trace.block_size),
+        num,
+    )
 
 
 def _consistent_nodes(ids: np.ndarray, starts: np.ndarray, req_ns: np.ndarray) -> np.ndarray | None:
@@ -274,7 +280,7 @@ def lru_curve(nt: NodeTrace, warmup: float = 0.0) -> HitCurve:
             for j, w in _token_weights(lengths[i], L, bs):
                 if j >= seen or w == 0:
                     continue
-                for (t, d0, d1), dist in zip(runs, dists):
+                for (_t, d0, d1), dist in zip(runs, dists):
                     if d0 <= j < d1:
                         corr_d.append(dist + (j - d0))
                         corr_w.append(w)
@@ -327,8 +333,8 @@ def next_uses(nt: NodeTrace) -> NextUse:
     lo: list[int] = []
     hi: list[int] = []
     nxt: list[int] = []
-    for i, (l, h, n) in enumerate(per_req):
-        lo.extend(l)
+    for i, (lows, h, n) in enumerate(per_req):
+        lo.extend(lows)
         hi.extend(h)
         nxt.extend(n)
         first[i + 1] = len(lo)
@@ -350,8 +356,9 @@ class OptimalHits:
     schedule_tokens: int
 
 
-def optimal_hits(nt: NodeTrace, capacity: int, warmup: float = 0.0, *, nu: NextUse | None = None,
-                 unlimited_tokens: int | None = None) -> OptimalHits:
+def optimal_hits(
+    nt: NodeTrace, capacity: int, warmup: float = 0.0, *, nu: NextUse | None = None, unlimited_tokens: int | None = None
+) -> OptimalHits:
     """The best hits any eviction policy can reach with ``capacity`` blocks (Belady, adapted). Changes nothing.
 
     Model (the PrefixCache's): before request t the cache holds a prefix-closed set S, |S| <= C; t hits
@@ -401,7 +408,7 @@ def optimal_hits(nt: NodeTrace, capacity: int, warmup: float = 0.0, *, nu: NextU
     def evict(excess: int) -> int:
         nonlocal total
         while excess > 0:
-            neg_nu, _neg_lo, s = heap[0]
+            _neg_nu, _neg_lo, s = heap[0]
             have = size.get(s, 0)
             if have == 0:
                 heapq.heappop(heap)
@@ -451,8 +458,9 @@ def optimal_hits(nt: NodeTrace, capacity: int, warmup: float = 0.0, *, nu: NextU
     return OptimalHits(capacity, hit_blocks, tokens_cap, sched_tokens)
 
 
-def optimal_curve(nt: NodeTrace, capacities: Sequence[int], warmup: float = 0.0,
-                  unlimited_tokens: int | None = None) -> list[OptimalHits]:
+def optimal_curve(
+    nt: NodeTrace, capacities: Sequence[int], warmup: float = 0.0, unlimited_tokens: int | None = None
+) -> list[OptimalHits]:
     """``optimal_hits`` at each capacity (the next-use runs computed once)."""
     nu = next_uses(nt)
     return [optimal_hits(nt, c, warmup, nu=nu, unlimited_tokens=unlimited_tokens) for c in capacities]
@@ -467,9 +475,15 @@ def log_grid(max_capacity: int, points: int = 24, min_capacity: int = 1) -> list
     return [int(c) for c in grid]
 
 
-def trace_from_lists(hash_ids: Sequence[Sequence[int]], *, block_size: int = 16,
-                     input_length: Sequence[int] | None = None, timestamp: Sequence[float] | None = None,
-                     namespace: Sequence[str] | None = None, path: str = "<memory>"):
+def trace_from_lists(
+    hash_ids: Sequence[Sequence[int]],
+    *,
+    block_size: int = 16,
+    input_length: Sequence[int] | None = None,
+    timestamp: Sequence[float] | None = None,
+    namespace: Sequence[str] | None = None,
+    path: str = "<memory>",
+):
     """A ``prefixcache.trace.Trace`` built in code (tests, notebooks). ``input_length`` defaults to
     ``len(hash_ids[i]) * block_size``, ``timestamp`` to the request index (ms), ``namespace`` to "default"."""
     from prefixcache.core import DEFAULT_NAMESPACE
@@ -485,5 +499,6 @@ def trace_from_lists(hash_ids: Sequence[Sequence[int]], *, block_size: int = 16,
     il = np.array(input_length if input_length is not None else [k * block_size for k in lens], dtype=np.int64)
     ts = np.array(timestamp if timestamp is not None else range(n), dtype=np.float64)
     ns = list(namespace) if namespace is not None else [DEFAULT_NAMESPACE] * n
-    return Trace(path, block_size, ids, offsets, il, np.zeros(n, dtype=np.int64), ts, ns,
-                 np.arange(1, n + 1, dtype=np.int64))
+    return Trace(
+        path, block_size, ids, offsets, il, np.zeros(n, dtype=np.int64), ts, ns, np.arange(1, n + 1, dtype=np.int64)
+    )

@@ -12,9 +12,19 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float8": 1,
+    "fp8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
 }
 GB = 1e9  # answers are in decimal gigabytes
 
@@ -97,20 +107,31 @@ def from_config(path: str | Path, dtype: str | None = None) -> KVShape:
             raise ValueError(f"{path}: missing 'head_dim' and 'num_attention_heads' to derive it")
         head_dim = hidden // heads
     file_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return KVShape(path.parent.name or path.name, int(layers), int(kv_heads), int(head_dim),
-                   normalize_dtype(dtype or str(file_dtype)))
+    return KVShape(
+        path.parent.name or path.name,
+        int(layers),
+        int(kv_heads),
+        int(head_dim),
+        normalize_dtype(dtype or str(file_dtype)),
+    )
 
 
 def normalize_dtype(dtype: str) -> str:
-    """"torch.bfloat16" / "bf16" / "bfloat16" -> a key of DTYPE_BYTES. Raises ValueError when unknown."""
+    """ "torch.bfloat16" / "bf16" / "bfloat16" -> a key of DTYPE_BYTES. Raises ValueError when unknown."""
     d = str(dtype).strip().lower().removeprefix("torch.")
     if d not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
     return d
 
 
-def resolve_model(model: str | None = None, *, layers: int | None = None, kv_heads: int | None = None,
-                  head_dim: int | None = None, dtype: str | None = None) -> KVShape | None:
+def resolve_model(
+    model: str | None = None,
+    *,
+    layers: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: str | None = None,
+) -> KVShape | None:
     """A preset name, a config.json path (or a folder holding one), or explicit numbers; None if nothing given."""
     numbers = (layers, kv_heads, head_dim)
     if model is not None:

@@ -18,16 +18,26 @@ cached prompt tokens / prompt tokens, or "blocks": hit blocks / looked-up blocks
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
 from prefixcache.core.cache import PrefixCache
 from prefixcache.core.config import CacheConfig
-from prefixcache.sim.curves import (WEIGHTS, HitCurve, NodeTrace, canonical_blocks, log_grid, lru_curve, measured_from,
-                                next_uses, optimal_hits, ordered)
 from prefixcache.core.eviction import POLICIES
+from prefixcache.sim.curves import (
+    WEIGHTS,
+    HitCurve,
+    NodeTrace,
+    canonical_blocks,
+    log_grid,
+    lru_curve,
+    measured_from,
+    next_uses,
+    optimal_hits,
+    ordered,
+)
 from prefixcache.sim.kv_size import KVShape
 
 FRACTIONS = (0.5, 0.7, 0.9)
@@ -46,7 +56,9 @@ class Replay:
     total_tokens: int
 
     def rate(self, weight: str) -> float:
-        hit, total = (self.hit_blocks, self.total_blocks) if weight == "blocks" else (self.hit_tokens, self.total_tokens)
+        hit, total = (
+            (self.hit_blocks, self.total_blocks) if weight == "blocks" else (self.hit_tokens, self.total_tokens)
+        )
         return hit / total if total else 0.0
 
 
@@ -59,8 +71,9 @@ def replay(trace, policy: str, capacity: int, warmup: float = 0.0, keep_for: flo
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
     now = [0.0]
-    cache = PrefixCache(CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy),
-                        clock=lambda: now[0])
+    cache = PrefixCache(
+        CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy), clock=lambda: now[0]
+    )
     start = measured_from(len(trace), warmup)
     hb = ht = tb = tt = 0
     ids, offsets = trace.ids, trace.offsets.tolist()
@@ -130,10 +143,20 @@ def _rate_of(hits: int, weight: str, curve: HitCurve) -> float:
     return hits / total if total else 0.0
 
 
-def make_plan(trace, *, policies: Sequence[str] = ("lru",), weight: str = "tokens", warmup: float = 0.0,
-              order: str = "file", points: int = 16, bound: bool = True, model: KVShape | None = None,
-              keep_for: float | None = None, fractions: Sequence[float] = FRACTIONS,
-              progress: Callable[[str], None] | None = None) -> Plan:
+def make_plan(
+    trace,
+    *,
+    policies: Sequence[str] = ("lru",),
+    weight: str = "tokens",
+    warmup: float = 0.0,
+    order: str = "file",
+    points: int = 16,
+    bound: bool = True,
+    model: KVShape | None = None,
+    keep_for: float | None = None,
+    fractions: Sequence[float] = FRACTIONS,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
     """Compute the plan for ``trace`` (a ``prefixcache.trace.Trace``). Changes nothing.
 
     ``policies``: names in the eviction registry ("lru" comes from the one-pass curve, the rest from one
@@ -160,8 +183,15 @@ def make_plan(trace, *, policies: Sequence[str] = ("lru",), weight: str = "token
     answers: list[Answer] = []
 
     def answer(name: str, frac: float, cap: int | None, exact: bool) -> Answer:
-        return Answer(name, frac, frac * unlimited, cap, None if cap is None else cap * nt.block_size,
-                      None if cap is None or model is None else model.gb(cap, nt.block_size), exact)
+        return Answer(
+            name,
+            frac,
+            frac * unlimited,
+            cap,
+            None if cap is None else cap * nt.block_size,
+            None if cap is None or model is None else model.gb(cap, nt.block_size),
+            exact,
+        )
 
     # LRU: every capacity
     all_rates = curve.rates(weight)
@@ -217,6 +247,21 @@ def make_plan(trace, *, policies: Sequence[str] = ("lru",), weight: str = "token
             answers.append(answer("optimal", frac, lo, True))
         seconds["optimal"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t0
-    return Plan(str(getattr(trace, "path", "")), order, weight, warmup, nt.block_size, len(nt),
-                curve.measured_requests, nt.num_nodes, unlimited, grid, rates, tuple(answers), model, curve,
-                seconds, keep_for)
+    return Plan(
+        str(getattr(trace, "path", "")),
+        order,
+        weight,
+        warmup,
+        nt.block_size,
+        len(nt),
+        curve.measured_requests,
+        nt.num_nodes,
+        unlimited,
+        grid,
+        rates,
+        tuple(answers),
+        model,
+        curve,
+        seconds,
+        keep_for,
+    )

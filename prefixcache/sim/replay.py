@@ -9,13 +9,13 @@ KV yet in a real model), and it joins the history of later turns of a conversati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from prefixcache.core.cache import PrefixCache
 from prefixcache.core.config import CacheConfig
-from prefixcache.workload.render import ByteRenderer, Conversations, Renderer, synthetic_reply
 from prefixcache.reports.record import Row, RunResult
+from prefixcache.workload.render import ByteRenderer, Conversations, Renderer, synthetic_reply
 from prefixcache.workload.scenario import Scenario
 from prefixcache.workload.trace import Trace
 
@@ -30,7 +30,7 @@ class Capacity:
     blocks: int | None  # None = unlimited
 
     @classmethod
-    def from_tokens(cls, tokens: int | None, block_size: int) -> "Capacity":
+    def from_tokens(cls, tokens: int | None, block_size: int) -> Capacity:
         """``tokens // block_size`` blocks (None: unlimited). Raises ValueError when that is < 1 block."""
         if tokens is None:
             return cls(None)
@@ -63,8 +63,15 @@ def unlimited_blocks(scenario: Scenario, block_size: int) -> int:
     return max(1, total * 2)  # chat replies re-rendered as text may differ in length; stay generous
 
 
-def simulate_trace(trace: Trace, num_blocks: int, *, eviction: str = "lru", warmup: float = 0.0,
-                   unlimited: bool = False, on_row: OnRow | None = None) -> RunResult:
+def simulate_trace(
+    trace: Trace,
+    num_blocks: int,
+    *,
+    eviction: str = "lru",
+    warmup: float = 0.0,
+    unlimited: bool = False,
+    on_row: OnRow | None = None,
+) -> RunResult:
     """Replay ``trace`` in its order through a fresh cache of ``num_blocks`` blocks of the trace's block size.
 
     A KeyboardInterrupt stops the replay; the rows so far come back with ``partial=True``.
@@ -72,8 +79,13 @@ def simulate_trace(trace: Trace, num_blocks: int, *, eviction: str = "lru", warm
     cache = PrefixCache(CacheConfig(num_blocks=num_blocks, block_size=trace.block_size, eviction=eviction))
     n = len(trace)
     n_warm = warmup_count(n, warmup)
-    ids, offsets, in_len, ts, nss = trace.ids, trace.offsets.tolist(), trace.input_length.tolist(), \
-        trace.timestamp.tolist(), trace.namespace
+    ids, offsets, in_len, ts, nss = (
+        trace.ids,
+        trace.offsets.tolist(),
+        trace.input_length.tolist(),
+        trace.timestamp.tolist(),
+        trace.namespace,
+    )
     rows: list[Row] = []
     stats = cache.stats
     partial = False
@@ -86,8 +98,19 @@ def simulate_trace(trace: Trace, num_blocks: int, *, eviction: str = "lru", warm
                 c = cache.commit_keys(m.handle)
             finally:
                 cache.release(m.handle)
-            row = Row(i, nss[i], in_len[i], m.cached_tokens, len(keys), m.cached_blocks, len(c.block_ids),
-                      stats.blocks_evicted - evicted0, cache.num_cached_blocks, i < n_warm, ts[i])
+            row = Row(
+                i,
+                nss[i],
+                in_len[i],
+                m.cached_tokens,
+                len(keys),
+                m.cached_blocks,
+                len(c.block_ids),
+                stats.blocks_evicted - evicted0,
+                cache.num_cached_blocks,
+                i < n_warm,
+                ts[i],
+            )
             rows.append(row)
             if on_row is not None:
                 on_row(row, cache)
@@ -96,9 +119,17 @@ def simulate_trace(trace: Trace, num_blocks: int, *, eviction: str = "lru", warm
     return RunResult(num_blocks, trace.block_size, tuple(rows), partial, unlimited)
 
 
-def simulate_requests(scenario: Scenario, num_blocks: int, block_size: int, *, eviction: str = "lru",
-                      warmup: float = 0.0, unlimited: bool = False, renderer: Renderer | None = None,
-                      on_row: OnRow | None = None) -> RunResult:
+def simulate_requests(
+    scenario: Scenario,
+    num_blocks: int,
+    block_size: int,
+    *,
+    eviction: str = "lru",
+    warmup: float = 0.0,
+    unlimited: bool = False,
+    renderer: Renderer | None = None,
+    on_row: OnRow | None = None,
+) -> RunResult:
     """Replay a text/chat/token scenario through a fresh cache; replies are synthesised (see module doc).
 
     A KeyboardInterrupt stops the replay; the rows so far come back with ``partial=True``.
@@ -123,9 +154,20 @@ def simulate_requests(scenario: Scenario, num_blocks: int, block_size: int, *, e
             finally:
                 cache.release(m.handle)
             conv.add_reply(req, reply)
-            row = Row(i, req.namespace, len(prompt), m.cached_tokens, -(-len(prompt) // block_size), m.cached_blocks,
-                      len(c.block_ids), stats.blocks_evicted - evicted0, cache.num_cached_blocks, i < n_warm,
-                      req.timestamp, k)
+            row = Row(
+                i,
+                req.namespace,
+                len(prompt),
+                m.cached_tokens,
+                -(-len(prompt) // block_size),
+                m.cached_blocks,
+                len(c.block_ids),
+                stats.blocks_evicted - evicted0,
+                cache.num_cached_blocks,
+                i < n_warm,
+                req.timestamp,
+                k,
+            )
             rows.append(row)
             if on_row is not None:
                 on_row(row, cache)
@@ -134,9 +176,16 @@ def simulate_requests(scenario: Scenario, num_blocks: int, block_size: int, *, e
     return RunResult(num_blocks, block_size, tuple(rows), partial, unlimited)
 
 
-def simulate(scenario: Scenario, capacities: list[Capacity], *, block_size: int | None = None,
-             eviction: str = "lru", warmup: float = 0.0,
-             on_start: Callable[[Capacity, int], None] | None = None, on_row: OnRow | None = None) -> list[RunResult]:
+def simulate(
+    scenario: Scenario,
+    capacities: list[Capacity],
+    *,
+    block_size: int | None = None,
+    eviction: str = "lru",
+    warmup: float = 0.0,
+    on_start: Callable[[Capacity, int], None] | None = None,
+    on_row: OnRow | None = None,
+) -> list[RunResult]:
     """One replay per capacity (a sweep), in the given order. Stops after a replay that was interrupted."""
     bs = block_size or scenario.block_size or (scenario.trace.block_size if scenario.trace else DEFAULT_BLOCK_SIZE)
     results = []
@@ -149,11 +198,13 @@ def simulate(scenario: Scenario, capacities: list[Capacity], *, block_size: int 
         if on_start is not None:
             on_start(cap, len(scenario))
         if scenario.trace is not None:
-            r = simulate_trace(scenario.trace, nb, eviction=eviction, warmup=warmup, unlimited=cap.blocks is None,
-                               on_row=on_row)
+            r = simulate_trace(
+                scenario.trace, nb, eviction=eviction, warmup=warmup, unlimited=cap.blocks is None, on_row=on_row
+            )
         else:
-            r = simulate_requests(scenario, nb, bs, eviction=eviction, warmup=warmup, unlimited=cap.blocks is None,
-                                  on_row=on_row)
+            r = simulate_requests(
+                scenario, nb, bs, eviction=eviction, warmup=warmup, unlimited=cap.blocks is None, on_row=on_row
+            )
         results.append(r)
         if r.partial:
             break

@@ -8,7 +8,8 @@ model's tokenizer packs several characters per token). Registry: ``GENERATORS[na
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -31,19 +32,39 @@ def _ns(namespace: str, tenants: int, i: int) -> str:
     return namespace if tenants <= 1 else f"{namespace}-{i % tenants}"
 
 
-def shared_prompt(rng: np.random.Generator, users: int = 50, system_prompt_tokens: int = 1500,
-                  question_tokens: int = 64, tenants: int = 1, namespace: str = DEFAULT_NAMESPACE,
-                  max_new_tokens: int | None = None) -> list[ScenarioRequest]:
+def shared_prompt(
+    rng: np.random.Generator,
+    users: int = 50,
+    system_prompt_tokens: int = 1500,
+    question_tokens: int = 64,
+    tenants: int = 1,
+    namespace: str = DEFAULT_NAMESPACE,
+    max_new_tokens: int | None = None,
+) -> list[ScenarioRequest]:
     """One shared system prompt, then one distinct question per user (chat). ``tenants`` > 1 splits the users
     over that many namespaces, which never share blocks."""
     system = _text(rng, system_prompt_tokens, "You are a helpful assistant. ")
-    return [ScenarioRequest(messages=(Message("system", system), Message("user", _text(rng, question_tokens, f"Q{u}: "))),
-                            namespace=_ns(namespace, tenants, u), max_new_tokens=max_new_tokens) for u in range(users)]
+    return [
+        ScenarioRequest(
+            messages=(Message("system", system), Message("user", _text(rng, question_tokens, f"Q{u}: "))),
+            namespace=_ns(namespace, tenants, u),
+            max_new_tokens=max_new_tokens,
+        )
+        for u in range(users)
+    ]
 
 
-def chat(rng: np.random.Generator, users: int = 20, turns: int = 5, system_prompt_tokens: int = 1500,
-         user_tokens: int = 64, interleave: bool = True, tenants: int = 1, namespace: str = DEFAULT_NAMESPACE,
-         max_new_tokens: int | None = None) -> list[ScenarioRequest]:
+def chat(
+    rng: np.random.Generator,
+    users: int = 20,
+    turns: int = 5,
+    system_prompt_tokens: int = 1500,
+    user_tokens: int = 64,
+    interleave: bool = True,
+    tenants: int = 1,
+    namespace: str = DEFAULT_NAMESPACE,
+    max_new_tokens: int | None = None,
+) -> list[ScenarioRequest]:
     """Multi-turn chats: every user shares the system prompt; each turn resends the history and the replies.
     ``interleave``: turns of different users alternate (round robin), else one user's chat after another."""
     system = _text(rng, system_prompt_tokens, "You are a helpful assistant. ")
@@ -54,28 +75,56 @@ def chat(rng: np.random.Generator, users: int = 20, turns: int = 5, system_promp
             msgs = (Message("user", _text(rng, user_tokens, f"U{u}T{t}: ")),)
             if t == 0:
                 msgs = (Message("system", system), *msgs)
-            reqs.append(ScenarioRequest(messages=msgs, conversation=f"user-{u}", namespace=_ns(namespace, tenants, u),
-                                        max_new_tokens=max_new_tokens))
+            reqs.append(
+                ScenarioRequest(
+                    messages=msgs,
+                    conversation=f"user-{u}",
+                    namespace=_ns(namespace, tenants, u),
+                    max_new_tokens=max_new_tokens,
+                )
+            )
         per_user.append(reqs)
     if interleave:
         return [per_user[u][t] for t in range(turns) for u in range(users)]
     return [r for reqs in per_user for r in reqs]
 
 
-def few_shot(rng: np.random.Generator, requests: int = 50, examples: int = 8, example_tokens: int = 120,
-             query_tokens: int = 48, namespace: str = DEFAULT_NAMESPACE,
-             max_new_tokens: int | None = None) -> list[ScenarioRequest]:
+def few_shot(
+    rng: np.random.Generator,
+    requests: int = 50,
+    examples: int = 8,
+    example_tokens: int = 120,
+    query_tokens: int = 48,
+    namespace: str = DEFAULT_NAMESPACE,
+    max_new_tokens: int | None = None,
+) -> list[ScenarioRequest]:
     """A fixed instruction + ``examples`` worked examples (the shared template), then a distinct query (text)."""
     head = _text(rng, 80, "Classify the sentiment of each review. ")
-    shots = "".join(f"\nReview: {_text(rng, example_tokens - 20)}\nLabel: {'pos' if k % 2 else 'neg'}"
-                    for k in range(examples))
-    return [ScenarioRequest(text=f"{head}{shots}\nReview: {_text(rng, query_tokens, f'R{i} ')}\nLabel:",
-                            namespace=namespace, max_new_tokens=max_new_tokens) for i in range(requests)]
+    shots = "".join(
+        f"\nReview: {_text(rng, example_tokens - 20)}\nLabel: {'pos' if k % 2 else 'neg'}" for k in range(examples)
+    )
+    return [
+        ScenarioRequest(
+            text=f"{head}{shots}\nReview: {_text(rng, query_tokens, f'R{i} ')}\nLabel:",
+            namespace=namespace,
+            max_new_tokens=max_new_tokens,
+        )
+        for i in range(requests)
+    ]
 
 
-def rag(rng: np.random.Generator, requests: int = 100, documents: int = 50, document_tokens: int = 300,
-        docs_per_request: int = 2, zipf: float = 1.1, system_prompt_tokens: int = 200, query_tokens: int = 48,
-        namespace: str = DEFAULT_NAMESPACE, max_new_tokens: int | None = None) -> list[ScenarioRequest]:
+def rag(
+    rng: np.random.Generator,
+    requests: int = 100,
+    documents: int = 50,
+    document_tokens: int = 300,
+    docs_per_request: int = 2,
+    zipf: float = 1.1,
+    system_prompt_tokens: int = 200,
+    query_tokens: int = 48,
+    namespace: str = DEFAULT_NAMESPACE,
+    max_new_tokens: int | None = None,
+) -> list[ScenarioRequest]:
     """Retrieval-augmented prompts: system prompt, ``docs_per_request`` documents drawn from a pool with Zipf
     popularity (document k has weight 1/k**zipf; drawn without repeats, in retrieval order), then a query.
     Prompts share a prefix up to the first document that differs."""
@@ -89,33 +138,66 @@ def rag(rng: np.random.Generator, requests: int = 100, documents: int = 50, docu
     for i in range(requests):
         picks = rng.choice(documents, size=docs_per_request, replace=False, p=weights)
         docs = "\n".join(pool[k] for k in picks)
-        out.append(ScenarioRequest(messages=(Message("system", system),
-                                             Message("user", f"{docs}\nQuestion: {_text(rng, query_tokens, f'q{i} ')}")),
-                                   namespace=namespace, max_new_tokens=max_new_tokens))
+        out.append(
+            ScenarioRequest(
+                messages=(
+                    Message("system", system),
+                    Message("user", f"{docs}\nQuestion: {_text(rng, query_tokens, f'q{i} ')}"),
+                ),
+                namespace=namespace,
+                max_new_tokens=max_new_tokens,
+            )
+        )
     return out
 
 
-def agent(rng: np.random.Generator, agents: int = 4, steps: int = 8, system_prompt_tokens: int = 800,
-          task_tokens: int = 100, tool_output_tokens: int = 200, interleave: bool = True,
-          namespace: str = DEFAULT_NAMESPACE, max_new_tokens: int | None = None) -> list[ScenarioRequest]:
+def agent(
+    rng: np.random.Generator,
+    agents: int = 4,
+    steps: int = 8,
+    system_prompt_tokens: int = 800,
+    task_tokens: int = 100,
+    tool_output_tokens: int = 200,
+    interleave: bool = True,
+    namespace: str = DEFAULT_NAMESPACE,
+    max_new_tokens: int | None = None,
+) -> list[ScenarioRequest]:
     """Agent loops: a task, then each step appends the model's reply (a tool call) and the tool's output, so
     the transcript grows and every step resends all of it."""
     system = _text(rng, system_prompt_tokens, "You are an agent with tools: search, read, run. ")
     per_agent = []
     for a in range(agents):
-        reqs = [ScenarioRequest(messages=(Message("system", system), Message("user", _text(rng, task_tokens, f"Task {a}: "))),
-                                conversation=f"agent-{a}", namespace=namespace, max_new_tokens=max_new_tokens)]
+        reqs = [
+            ScenarioRequest(
+                messages=(Message("system", system), Message("user", _text(rng, task_tokens, f"Task {a}: "))),
+                conversation=f"agent-{a}",
+                namespace=namespace,
+                max_new_tokens=max_new_tokens,
+            )
+        ]
         for s in range(1, steps):
-            reqs.append(ScenarioRequest(messages=(Message("user", _text(rng, tool_output_tokens, f"[tool output {s}] ")),),
-                                        conversation=f"agent-{a}", namespace=namespace, max_new_tokens=max_new_tokens))
+            reqs.append(
+                ScenarioRequest(
+                    messages=(Message("user", _text(rng, tool_output_tokens, f"[tool output {s}] ")),),
+                    conversation=f"agent-{a}",
+                    namespace=namespace,
+                    max_new_tokens=max_new_tokens,
+                )
+            )
         per_agent.append(reqs)
     if interleave:
         return [per_agent[a][s] for s in range(steps) for a in range(agents)]
     return [r for reqs in per_agent for r in reqs]
 
 
-def parallel_samples(rng: np.random.Generator, prompts: int = 10, samples: int = 4, prompt_tokens: int = 500,
-                     namespace: str = DEFAULT_NAMESPACE, max_new_tokens: int | None = None) -> list[ScenarioRequest]:
+def parallel_samples(
+    rng: np.random.Generator,
+    prompts: int = 10,
+    samples: int = 4,
+    prompt_tokens: int = 500,
+    namespace: str = DEFAULT_NAMESPACE,
+    max_new_tokens: int | None = None,
+) -> list[ScenarioRequest]:
     """``samples`` requests of the same prompt in a row (best-of-n, self-consistency): all but the first hit."""
     out = []
     for p in range(prompts):

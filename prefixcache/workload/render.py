@@ -13,7 +13,8 @@ and the replies given to them, as text, like a chat client resends them) plus th
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -33,5 +33,3 @@ class ScenarioRequest:
     @property
     def kind(self) -> str:
         return "text" if self.text is not None else "chat" if self.messages is not None else "tokens"
-
-

@@ -41,9 +41,20 @@ class Scenario:
         return len(self.trace) if self.trace is not None else len(self.requests)
 
 
-_SCENARIO_KEYS = {"name", "description", "requests", "generate", "trace", "block_size", "capacity", "max_new_tokens",
-                  "seed", "model"}
+_SCENARIO_KEYS = {
+    "name",
+    "description",
+    "requests",
+    "generate",
+    "trace",
+    "block_size",
+    "capacity",
+    "max_new_tokens",
+    "seed",
+    "model",
+}
 _REQUEST_KEYS = {"text", "messages", "tokens", "conversation", "namespace", "timestamp", "max_new_tokens", "repeat"}
+
 
 def parse_capacity(value: Any, where: str = "capacity") -> int | None:
     """A capacity in tokens: a positive int, or "unlimited"/"inf"/None (None = unlimited). Raises ValueError."""
@@ -71,8 +82,9 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
     ctx.check_keys(r, _REQUEST_KEYS, f"request {index + 1}", line)
     kinds = [k for k in ("text", "messages", "tokens") if k in r]
     if len(kinds) != 1:
-        raise ctx.fail(f"request {index + 1} needs exactly one of text / messages / tokens, got "
-                       f"{', '.join(kinds) or 'none'}", line)
+        raise ctx.fail(
+            f"request {index + 1} needs exactly one of text / messages / tokens, got {', '.join(kinds) or 'none'}", line
+        )
     kw: dict[str, Any] = {"line": line}
     if "text" in r:
         if not isinstance(r["text"], str) or not r["text"]:
@@ -92,8 +104,11 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
         kw["messages"] = tuple(out)
     else:
         toks = r["tokens"]
-        if not isinstance(toks, list) or not toks or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                                         for t in toks):
+        if (
+            not isinstance(toks, list)
+            or not toks
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in toks)
+        ):
             raise ctx.fail("tokens must be a non-empty list of integers >= 0", ctx.line_of(r, "tokens"))
         kw["tokens"] = tuple(toks)
     if "conversation" in r:
@@ -133,7 +148,7 @@ def load_scenario(path: str | Path) -> Scenario:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read scenario: {exc}", path) from None
     try:
-        doc = yaml.load(text, Loader=LineLoader)  # noqa: S506 - a SafeLoader subclass
+        doc = yaml.load(text, Loader=LineLoader)
     except InputError as exc:
         raise InputError(exc.message, path, exc.line) from None
     except yaml.YAMLError as exc:
@@ -163,8 +178,15 @@ def load_scenario(path: str | Path) -> Scenario:
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise ctx.fail("model must be a string (preset name or path)", ctx.line_of(doc, "model"))
-    common = dict(name=str(doc.get("name", path.stem)), path=str(path), description=str(doc.get("description", "")),
-                  capacity=tuple(caps), max_new_tokens=max_new, seed=seed, model=model)
+    common = dict(
+        name=str(doc.get("name", path.stem)),
+        path=str(path),
+        description=str(doc.get("description", "")),
+        capacity=tuple(caps),
+        max_new_tokens=max_new,
+        seed=seed,
+        model=model,
+    )
     if "trace" in doc:
         tp = doc["trace"]
         if not isinstance(tp, str):
@@ -182,4 +204,3 @@ def load_scenario(path: str | Path) -> Scenario:
     if "generate" in doc:
         requests.extend(run_generators(doc["generate"], seed, ctx))
     return Scenario(requests=tuple(requests), block_size=block_size, **common)
-

@@ -13,9 +13,10 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator, Sequence, overload
+from typing import overload
 
 import numpy as np
 
@@ -25,7 +26,6 @@ from prefixcache.core.errors import InputError
 MOONCAKE_BLOCK_SIZE = 512  # the Mooncake traces' block size; lines may override it with "block_size"
 TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".gz")
 _TRACE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids", "session", "trace_id", "agent", "block_size"}
-
 
 
 # ---- traces ---------------------------------------------------------------------------------------------
@@ -48,8 +48,18 @@ class Trace(Sequence[TraceRequest]):
     i's; ``hash_ids(i)`` is that view. Bulk users (curves, benchmarks) should read the arrays directly.
     """
 
-    def __init__(self, path: str, block_size: int, ids: np.ndarray, offsets: np.ndarray, input_length: np.ndarray,
-                 output_length: np.ndarray, timestamp: np.ndarray, namespace: list[str], lines: np.ndarray) -> None:
+    def __init__(
+        self,
+        path: str,
+        block_size: int,
+        ids: np.ndarray,
+        offsets: np.ndarray,
+        input_length: np.ndarray,
+        output_length: np.ndarray,
+        timestamp: np.ndarray,
+        namespace: list[str],
+        lines: np.ndarray,
+    ) -> None:
         self.path, self.block_size = path, block_size
         self.ids, self.offsets = ids, offsets
         self.input_length, self.output_length, self.timestamp = input_length, output_length, timestamp
@@ -61,7 +71,7 @@ class Trace(Sequence[TraceRequest]):
     @overload
     def __getitem__(self, i: int) -> TraceRequest: ...
     @overload
-    def __getitem__(self, i: slice) -> "Trace": ...
+    def __getitem__(self, i: slice) -> Trace: ...
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return self.take(np.arange(len(self))[i])
@@ -69,8 +79,14 @@ class Trace(Sequence[TraceRequest]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"request {i} out of range (trace has {len(self)})")
-        return TraceRequest(tuple(self.hash_ids(i).tolist()), int(self.input_length[i]), int(self.output_length[i]),
-                            float(self.timestamp[i]), self.namespace[i], int(self.lines[i]))
+        return TraceRequest(
+            tuple(self.hash_ids(i).tolist()),
+            int(self.input_length[i]),
+            int(self.output_length[i]),
+            float(self.timestamp[i]),
+            self.namespace[i],
+            int(self.lines[i]),
+        )
 
     def __iter__(self) -> Iterator[TraceRequest]:
         for i in range(len(self)):
@@ -94,17 +110,26 @@ class Trace(Sequence[TraceRequest]):
             groups.setdefault(ns, []).append(i)
         return sum(int(np.unique(np.concatenate([self.hash_ids(i) for i in idx])).size) for idx in groups.values())
 
-    def take(self, index: np.ndarray) -> "Trace":
+    def take(self, index: np.ndarray) -> Trace:
         """A new trace holding requests ``index`` (in that order)."""
         index = np.asarray(index, dtype=np.int64)
         lens = np.diff(self.offsets)[index]
         offsets = np.zeros(len(index) + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
         ids = np.concatenate([self.hash_ids(int(i)) for i in index]) if len(index) else np.zeros(0, np.int64)
-        return Trace(self.path, self.block_size, ids, offsets, self.input_length[index], self.output_length[index],
-                     self.timestamp[index], [self.namespace[int(i)] for i in index], self.lines[index])
+        return Trace(
+            self.path,
+            self.block_size,
+            ids,
+            offsets,
+            self.input_length[index],
+            self.output_length[index],
+            self.timestamp[index],
+            [self.namespace[int(i)] for i in index],
+            self.lines[index],
+        )
 
-    def by_timestamp(self) -> "Trace":
+    def by_timestamp(self) -> Trace:
         """Requests stably sorted by timestamp (e.g. kv-tester sessions interleaved)."""
         return self.take(np.argsort(self.timestamp, kind="stable"))
 
@@ -184,14 +209,19 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
                 if len(ids) != -(-n_in // bs) and len(ids) != n_in // bs:  # Mooncake: ceil; kv-tester: floor
                     raise InputError(
                         f"{len(ids)} hash_ids for input_length {n_in}: expected ceil({n_in}/{bs}) = {-(-n_in // bs)}"
-                        f" (block size {bs}; pass --block-size if the trace uses another)", path, lineno)
+                        f" (block size {bs}; pass --block-size if the trace uses another)",
+                        path,
+                        lineno,
+                    )
                 ts = d.get("timestamp", 0)
                 if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
                     raise InputError(f"timestamp must be a number, got {ts!r}", path, lineno)
                 arr = np.asarray(ids)
                 if arr.dtype.kind != "i" or arr.ndim != 1:
-                    bad = next((h for h in ids if isinstance(h, bool) or not isinstance(h, int)
-                                or not -2**63 <= h < 2**63), ids[0])
+                    bad = next(
+                        (h for h in ids if isinstance(h, bool) or not isinstance(h, int) or not -(2**63) <= h < 2**63),
+                        ids[0],
+                    )
                     raise InputError(f"hash_ids must hold 64-bit integers, found {bad!r}", path, lineno)
                 session = d.get("session")
                 chunks.append(arr)
@@ -209,8 +239,14 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
     del chunks
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    return Trace(str(path), bs_seen or MOONCAKE_BLOCK_SIZE, ids_arr, offsets, np.array(input_length, np.int64),
-                 np.array(output_length, np.int64), np.array(timestamp, np.float64), namespace,
-                 np.array(lines, np.int64))
-
-
+    return Trace(
+        str(path),
+        bs_seen or MOONCAKE_BLOCK_SIZE,
+        ids_arr,
+        offsets,
+        np.array(input_length, np.int64),
+        np.array(output_length, np.int64),
+        np.array(timestamp, np.float64),
+        namespace,
+        np.array(lines, np.int64),
+    )

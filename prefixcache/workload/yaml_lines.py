@@ -66,5 +66,3 @@ def pos_int(ctx: YamlContext, v: Any, what: str, line: int | None, minimum: int 
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ctx.fail(f"{what} must be an integer >= {minimum}, got {v!r}", line)
     return v
-
-

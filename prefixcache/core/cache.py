@@ -618,7 +618,7 @@ class PrefixCache:
         uniq, counts = np.unique(cached, return_counts=True)
         if len(uniq) != len(cached):
             raise AssertionError(f"block {int(uniq[np.argmax(counts > 1)])} is cached twice")
-        self.allocator.check_integrity(cached)
+        self.allocator.check_integrity(cached, single_owner=True)
         in_policy = {n.id for n in self.policy}
         if in_policy != evictable or len(self.policy) != len(evictable):
             raise AssertionError(f"evictable set {sorted(in_policy)} != unpinned leaves {sorted(evictable)}")

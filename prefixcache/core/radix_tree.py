@@ -381,10 +381,10 @@ class RadixTree:
 
     def drop_tail(self, node: Node, n: int) -> BlockIds:
         """Remove the last ``n`` blocks of a leaf; unhook it when it empties (its ``parent`` stays set).
-        Returns the freed block ids in eviction order, the tail block first (an array the caller owns)."""
+        Returns the freed block ids in eviction order, the tail block first (a view; never written to)."""
         assert not node.children and node.parent is not None and 0 < n <= len(node.blocks)
         keep = len(node.blocks) - n
-        freed = node.blocks[keep:][::-1].copy()
+        freed = node.blocks[keep:][::-1]
         if keep == 0:
             del node.parent.children[node.key]
             node.blocks = self.no_blocks

@@ -8,28 +8,26 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
-BlockIds = npt.NDArray[np.int64]  # a run of block ids, in order; never written to once made
-EMPTY_IDS: BlockIds = np.zeros(0, np.int64)
-EMPTY_IDS.flags.writeable = False
-
-
-def compact(ids: BlockIds) -> BlockIds:
-    """``ids``, or a copy of it when it is a view of an array more than twice its size: whoever keeps a run
-    keeps alive at most about twice what it holds."""
-    base = ids.base
-    if base is not None and isinstance(base, np.ndarray) and base.size > 2 * ids.size + 8:
-        return ids.copy()
-    return ids
-
+from prefixcache.core.block_ids import (
+    EMPTY_IDS,
+    BlockIds,
+    Piece,
+    compact_piece,
+    ids_array,
+    ids_list,
+    make_ids,
+    pieces_of,
+)
 
 class BlockAllocator:
-    """Hands out block ids ``0..num_blocks-1`` in runs (int64 numpy arrays), without materialising the pool.
+    """Hands out block ids ``0..num_blocks-1`` in runs (``BlockIds``), without materialising the pool.
 
     Free order: ids never handed out come first, in increasing order (every id ``>= hw``, the high-water
     mark, is free and untouched), then the free queue: freed runs in the order they were freed (oldest
-    first, a deque of arrays), so a freed block is reused as late as possible. Memory is proportional to the
+    first, a deque of runs), so a freed block is reused as late as possible. Memory is proportional to the
     ids handed out and not yet reused, never to ``num_blocks``: a pool of 2**40 blocks costs nothing until
-    used. ``allocate`` and ``free`` cost O(runs touched) numpy steps on views, no per-block Python work.
+    used (fresh ids are handed out as ranges). ``allocate`` and ``free`` cost O(runs touched) steps on ranges
+and array views, no per-block Python work.
 
     Reference counts: a handed-out block has one owner, plus those added by ``incref`` (kept in a dict, only
     for such blocks). ``free`` is the one-owner fast path the cache uses; it trusts its caller (the partition
@@ -40,7 +38,7 @@ class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.hw = 0  # ids >= hw were never handed out
-        self._queue: deque[BlockIds] = deque()  # freed runs, oldest first
+        self._queue: deque[Piece] = deque()  # freed runs (flat pieces), oldest first
         self._queued = 0
         self._extra: dict[int, int] = {}  # block -> owners beyond the first (incref)
 
@@ -49,18 +47,18 @@ class BlockAllocator:
         return self.num_blocks - self.hw + self._queued
 
     def allocate(self, n: int) -> BlockIds:
-        """Take ``n`` free ids in free order (one owner each), as one int64 array. Raises MemoryError,
-        changing nothing, if fewer than ``n`` are free."""
+        """Take ``n`` free ids in free order (one owner each), as one run. Raises MemoryError, changing nothing,
+        if fewer than ``n`` are free."""
         if n > self.num_free:
             raise MemoryError(f"asked for {n} blocks, {self.num_free} free")
         if n <= 0:
             return EMPTY_IDS
-        parts: list[BlockIds] = []
+        parts: list[Piece] = []
         fresh = min(n, self.num_blocks - self.hw)
         if fresh:
             lo = self.hw
             self.hw = lo + fresh
-            parts.append(np.arange(lo, lo + fresh, dtype=np.int64))
+            parts.append(range(lo, lo + fresh))
         need = n - fresh
         if need:
             queue = self._queue
@@ -68,21 +66,21 @@ class BlockAllocator:
             while need:
                 run = queue.popleft()
                 if len(run) > need:
-                    queue.appendleft(compact(run[need:]))
+                    queue.appendleft(compact_piece(run[need:]))
                     run = run[:need]
                 parts.append(run)
                 need -= len(run)
-        return compact(parts[0]) if len(parts) == 1 else np.concatenate(parts)
+        return make_ids(parts)
 
     def free(self, ids: BlockIds) -> None:
         """Drop the only owner of each block of the run ``ids`` (distinct ids, each handed out and owned once);
         they join the free queue in the order given. The caller hands ``ids`` over and must not write to it."""
         if len(ids):
-            self._queue.append(ids)
+            self._queue.extend(pieces_of(ids))
             self._queued += len(ids)
 
     def _free_set(self) -> set[int]:
-        return set(np.concatenate(list(self._queue)).tolist()) if self._queue else set()
+        return {b for run in self._queue for b in ids_list(run)}
 
     def _owned(self, ids: Iterable[int], what: str) -> list[int]:
         """``ids`` as ints, each a handed-out block that is not free; raises ValueError naming ``what``."""
@@ -131,17 +129,16 @@ class BlockAllocator:
 
     def free_ids(self) -> list[int]:
         """The free ids in free order: never-used ids, then the free queue oldest first (a copy; O(num_free))."""
-        queued = np.concatenate(list(self._queue)).tolist() if self._queue else []
-        return list(range(self.hw, self.num_blocks)) + queued
+        return list(range(self.hw, self.num_blocks)) + [b for run in self._queue for b in ids_list(run)]
 
-    def check_integrity(self, owned: BlockIds | None = None, *, single_owner: bool = False) -> None:
+    def check_integrity(self, owned: npt.NDArray[np.int64] | None = None, *, single_owner: bool = False) -> None:
         """Raise AssertionError unless the free queue holds distinct handed-out ids and (given ``owned``, every
         id some owner holds) the free and owned ids split ``0..hw-1`` exactly; with ``single_owner``, unless no
         block has extra owners. Changes nothing."""
         hw = self.hw
         if not 0 <= hw <= self.num_blocks:
             raise AssertionError(f"allocator: high-water mark {hw} outside [0, {self.num_blocks}]")
-        queued = np.concatenate(list(self._queue)) if self._queue else EMPTY_IDS
+        queued = ids_array(make_ids(list(self._queue)))
         if len(queued) != self._queued:
             raise AssertionError(f"allocator: {len(queued)} ids queued, counter says {self._queued}")
         if len(queued) and (int(queued.min()) < 0 or int(queued.max()) >= hw):

@@ -22,8 +22,10 @@ from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from prefixcache.core.allocator import EMPTY_IDS, BlockAllocator, BlockIds
+from prefixcache.core.allocator import BlockAllocator
+from prefixcache.core.block_ids import EMPTY_IDS, BlockIds, Runs, ids_array, ids_list
 from prefixcache.core.checks import check_int, check_str
 from prefixcache.core.config import DEFAULT_NAMESPACE, CacheConfig
 from prefixcache.core.eviction import POLICIES, EvictionPolicy
@@ -34,6 +36,7 @@ from prefixcache.core.hashing import (
     as_token_array,
     chain_hashes,
     namespace_root,
+    token_bytes,
     xxh3_hasher,
 )
 from prefixcache.core.radix_tree import Node, RadixTree, Root, Step
@@ -53,9 +56,10 @@ class RequestHandle:
 
 
 def _ids_tuple(runs: tuple[BlockIds, ...]) -> tuple[int, ...]:
-    if not runs:
-        return ()
-    return tuple((runs[0] if len(runs) == 1 else np.concatenate(runs)).tolist())
+    out: list[int] = []
+    for run in runs:
+        out.extend(ids_list(run))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -186,9 +190,9 @@ class PrefixCache:
         if n == 0:
             raise ValueError("tokens is empty: a prompt needs at least one token")
         check_str(namespace, "namespace")
-        data = arr.tobytes()
+        data = arr.tobytes()  # the handle keeps a copy: the default commit caches the prompt as given now
         bs = self.block_size
-        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), data, (n - 1) // bs)
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), memoryview(data), (n - 1) // bs)
         return self._finish_match("tokens", namespace, path, data, n, -(-n // bs))
 
     def match_keys(
@@ -219,27 +223,26 @@ class PrefixCache:
 
     def probe(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens ``match`` would serve now. Changes nothing."""
-        arr = as_token_array(tokens)
+        data = token_bytes(tokens)
         check_str(namespace, "namespace")
-        if len(arr) == 0:
+        if len(data) == 0:
             return 0
-        path = self.tree.walk_tokens(
-            self.tree.roots.get(("tokens", namespace)), arr.tobytes(), (len(arr) - 1) // self.block_size
-        )
+        n = len(data) // TOKEN_DTYPE.itemsize
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), data, (n - 1) // self.block_size)
         return sum(s.matched for s in path) * self.block_size
 
     def divergence(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE, *, context: int = 16) -> Divergence:
         """Where ``tokens`` leaves the cached paths of ``namespace`` (see ``Divergence``): token granular (block
         granular with an injected hasher and verify_tokens off); ``cached_next`` has at most ``context`` ids and
         follows the most recently used branch where cached paths fork. Changes nothing."""
-        arr = as_token_array(tokens)
+        data = token_bytes(tokens)
         check_str(namespace, "namespace")
         context = check_int(context, "context", minimum=0)
-        data = arr.tobytes()
+        n = len(data) // TOKEN_DTYPE.itemsize
         root = self.tree.roots.get(("tokens", namespace))
         served = 0
-        if len(arr):
-            served = sum(s.matched for s in self.tree.walk_tokens(root, data, (len(arr) - 1) // self.block_size))
+        if n:
+            served = sum(s.matched for s in self.tree.walk_tokens(root, data, (n - 1) // self.block_size))
         common, following = self.tree.nearest(root, data, context)
         nxt = tuple(np.frombuffer(following, TOKEN_DTYPE).tolist())
         return Divergence(served * self.block_size, common // TOKEN_DTYPE.itemsize, nxt)
@@ -304,7 +307,7 @@ class PrefixCache:
         self._check_live(handle)
         if handle.mode != "tokens":
             raise ValueError(f"request {handle.id} was matched by keys; use commit_keys")
-        data = handle.prompt if tokens is None else as_token_array(tokens).tobytes()
+        data = memoryview(handle.prompt) if tokens is None else token_bytes(tokens)
         keep_blocks = None
         if keep_tokens is not None:
             keep_blocks = check_int(keep_tokens, "keep_tokens", minimum=0, type_error=ValueError) // self.block_size
@@ -352,7 +355,7 @@ class PrefixCache:
             key: Hashable = source[at]
             return key
         tree = self.tree
-        first = source[at * tree.block_bytes : (at + 1) * tree.block_bytes]
+        first = bytes(source[at * tree.block_bytes : (at + 1) * tree.block_bytes])
         if not self._hash_keys:
             return first
         parent_hash = tree.last_hash(parent) if parent is not None else tree.root_hash(namespace)
@@ -401,7 +404,8 @@ class PrefixCache:
                 parent = terminal if terminal is not None else tree.root(mode, namespace)  # after evicting
                 if mode == "tokens":
                     bb = tree.block_bytes
-                    node = tree.add_child(parent, key, new_ids, source[have * bb : (have + fit) * bb], None, self._clock)
+                    toks = bytes(source[have * bb : (have + fit) * bb])
+                    node = tree.add_child(parent, key, new_ids, toks, None, self._clock)
                 else:
                     node = tree.add_child(parent, key, new_ids, None, source[have : have + fit], self._clock)
                 # Always a new node, never appended to the request's leaf: its blocks are born now, with no hits
@@ -443,11 +447,11 @@ class PrefixCache:
             parent_key = None if parent.parent is None else parent.keys[-1]
             return BlocksStored(namespace, mode, parent_key, tuple(node._keys), None)
         tree = self.tree
-        assert node.tokens is not None
+        view = node.token_view(tree.block_bytes)
         chain_parent = tree.last_hash(parent)
-        keys = chain_hashes(self._hasher, chain_parent, node.tokens, self.block_size, 0, len(node.blocks))
+        keys = chain_hashes(self._hasher, chain_parent, view, self.block_size, 0, len(node.blocks))
         node.first_hash, node.last_hash = keys[0], keys[-1]
-        tokens = tuple(np.frombuffer(node.tokens, TOKEN_DTYPE).tolist())
+        tokens = tuple(np.frombuffer(view, TOKEN_DTYPE).tolist())
         return BlocksStored(namespace, mode, None if parent.parent is None else chain_parent, tuple(keys), tokens)
 
     def _removed_event(self, node: Node, keep: int) -> BlocksRemoved:
@@ -557,7 +561,7 @@ class PrefixCache:
                 raise AssertionError(f"namespace {namespace!r} ({mode}) keeps an empty root")
             if len(root.blocks) or root.pins:
                 raise AssertionError("a root holds blocks or pins")
-        runs: list[BlockIds] = []
+        runs: list[npt.NDArray[np.int64]] = []
         evictable: set[int] = set()
         expected_first: dict[int, bytes] = {}
         expected_last: dict[int, bytes] = {}
@@ -572,8 +576,7 @@ class PrefixCache:
             assert n is not None
             h = expected_last[n.id] if n.parent is not None else tree.root_hash(n.namespace)  # type: ignore[attr-defined]
             for m in reversed(todo):
-                assert m.tokens is not None
-                hs = chain_hashes(self._hasher, h, m.tokens, self.block_size, 0, len(m.blocks))
+                hs = chain_hashes(self._hasher, h, m.token_view(bb), self.block_size, 0, len(m.blocks))
                 expected_first[m.id], expected_last[m.id] = hs[0], hs[-1]
                 h = hs[-1]
 
@@ -582,14 +585,16 @@ class PrefixCache:
             nb = len(node.blocks)
             if not nb:
                 raise AssertionError(f"{where} holds no blocks")
-            if not isinstance(node.blocks, np.ndarray) or node.blocks.dtype != np.int64 or node.blocks.ndim != 1:
-                raise AssertionError(f"{where}: block ids are not a 1-D int64 array")
+            if not isinstance(node.blocks, (range, Runs)) and (
+                not isinstance(node.blocks, np.ndarray) or node.blocks.dtype != np.int64 or node.blocks.ndim != 1
+            ):
+                raise AssertionError(f"{where}: block ids are not a range, Runs or 1-D int64 array")
             parent = node.parent
             assert parent is not None
             if parent.children.get(node.key) is not node:
                 raise AssertionError(f"{where} is not its parent's child under its key")
             if node.tokens is not None:
-                if len(node.tokens) != nb * bb:
+                if len(node.tokens) < node.tok_start + nb * bb or node.tok_start < 0:
                     raise AssertionError(f"{where}: token bytes do not cover its blocks")
                 if node.first_hash is not None or node.last_hash is not None or self._hash_keys:
                     chain_of(node)
@@ -597,7 +602,7 @@ class PrefixCache:
                         raise AssertionError(f"{where}: cached first-block hash is stale")
                     if node.last_hash is not None and node.last_hash != expected_last[node.id]:
                         raise AssertionError(f"{where}: cached last-block hash is stale")
-                key = expected_first[node.id] if self._hash_keys else node.tokens[:bb]
+                key = expected_first[node.id] if self._hash_keys else bytes(node.token_view(bb)[:bb])
                 if node.key != key:
                     raise AssertionError(f"{where}: its key is not its first block's")
             else:
@@ -611,10 +616,10 @@ class PrefixCache:
                 raise AssertionError(
                     f"{where}: pins={node.pins}, live requests through it={expected_pins.get(node.id, 0)}"
                 )
-            runs.append(node.blocks)
+            runs.append(ids_array(node.blocks))
             if not node.children and node.pins == 0:
                 evictable.add(node.id)
-        cached = np.concatenate(runs) if runs else EMPTY_IDS
+        cached = np.concatenate(runs) if runs else ids_array(EMPTY_IDS)
         uniq, counts = np.unique(cached, return_counts=True)
         if len(uniq) != len(cached):
             raise AssertionError(f"block {int(uniq[np.argmax(counts > 1)])} is cached twice")

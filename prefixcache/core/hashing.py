@@ -77,12 +77,23 @@ def block_keys(
     return chain_hashes(xxh3_hasher(hash_seed), namespace_root(namespace, hash_seed), data, block_size, 0, n)
 
 
+def token_bytes(tokens: Any, what: str = "tokens") -> memoryview:
+    """Validated token ids as a byte-format view of little-endian int32 (no copy when ``tokens`` is already
+    a contiguous int32 array; the view must not outlive a change to it)."""
+    return memoryview(as_token_array(tokens, what)).cast("B")
+
+
 def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
     """Validate token ids and return them as a contiguous int32 array.
 
     Accepts a 1-D list/tuple/range of ints, a 1-D integer numpy array, or a 1-D integer CPU tensor.
     Raises TypeError or ValueError naming the problem and, for a bad id, its position.
     """
+    if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        if tokens.size and tokens.min() < 0:  # the fast path: already what the cache stores
+            bad = int(np.argmax(tokens < 0))
+            raise ValueError(f"{what}[{bad}] is {tokens[bad]}; token ids must be >= 0")
+        return tokens
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
     elif not isinstance(tokens, (np.ndarray, list, tuple, range)) and (

@@ -1,8 +1,10 @@
 """RadixTree: cached prefixes as runs of blocks.
 
-Each node holds a run of consecutive blocks of one prefix: their KV block ids (an int64 numpy array) and,
-in tokens mode, their token ids as one ``bytes`` (little-endian int32, ``block_size`` tokens per block) or,
-in keys mode, the caller's block keys (a list). A node's ``children`` dict maps the key of each child's
+Each node holds a run of consecutive blocks of one prefix: their KV block ids (``BlockIds``: a range, an int64
+array or a few of those, see ``block_ids``) and, in tokens mode, their token ids as little-endian int32 bytes
+(``block_size`` tokens per block: ``tokens[tok_start : tok_start + blocks * block_bytes]``, a window of a
+buffer that split halves and evicted tails share until a node holds less than half of it) or, in keys mode,
+the caller's block keys (a list). A node's ``children`` dict maps the key of each child's
 first block to the child (the same object as the child's ``key``):
 
 * tokens mode, default hasher: the first block's token bytes. Under one parent, the chained hash of a child's
@@ -32,9 +34,7 @@ import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from prefixcache.core.allocator import BlockIds, compact
+from prefixcache.core.block_ids import EMPTY_IDS, BlockIds, compact, ids_list
 from prefixcache.core.hashing import TOKEN_BYTES, BlockHasher, chain_hashes
 
 _ids = itertools.count(1)
@@ -55,6 +55,7 @@ class Node:
         "last_hash",
         "parent",
         "pins",
+        "tok_start",
         "tokens",
     )
 
@@ -66,12 +67,14 @@ class Node:
         tokens: bytes | None,
         keys: list[Any] | None,
         now: int,
+        tok_start: int = 0,
     ) -> None:
         self.id = next(_ids)
         self.parent = parent
         self.key = key  # this node's key in parent.children
         self.blocks = blocks
-        self.tokens = tokens  # tokens mode: token bytes of the blocks
+        self.tokens = tokens  # tokens mode: a buffer holding the blocks' token bytes from tok_start on
+        self.tok_start = tok_start
         self._keys = keys  # keys mode: the caller's keys of the blocks
         self.first_hash: bytes | None = None  # tokens mode, lazily: chained hash of the first block
         self.last_hash: bytes | None = None  # ... and of the last (a root: the namespace's root value)
@@ -94,6 +97,11 @@ class Node:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    def token_view(self, block_bytes: int) -> memoryview:
+        """This node's token bytes (tokens mode), without copying."""
+        assert self.tokens is not None
+        return memoryview(self.tokens)[self.tok_start : self.tok_start + len(self.blocks) * block_bytes]
+
     @property
     def keys(self) -> list[Any]:
         """The keys of this node's blocks: the caller's (keys mode) or their chained hashes (tokens mode,
@@ -107,7 +115,7 @@ class Node:
         return node.tree.block_hashes(self)
 
     def __repr__(self) -> str:
-        return f"Node(id={self.id}, blocks={self.blocks.tolist()}, pins={self.pins}, last_access={self.last_access})"
+        return f"Node(id={self.id}, blocks={ids_list(self.blocks)}, pins={self.pins}, last_access={self.last_access})"
 
 
 class Root(Node):
@@ -116,7 +124,7 @@ class Root(Node):
     __slots__ = ("mode", "namespace", "tree")
 
     def __init__(self, tree: RadixTree, mode: str, namespace: str) -> None:
-        super().__init__(None, None, tree.no_blocks, None if mode == "keys" else b"", None, 0)
+        super().__init__(None, None, EMPTY_IDS, None if mode == "keys" else b"", None, 0)
         self.tree, self.mode, self.namespace = tree, mode, namespace
 
 
@@ -128,23 +136,23 @@ class Step(NamedTuple):
     matched: int
 
 
-def common_prefix(a: bytes, b: bytes, b_off: int, n: int) -> int:
-    """Length in bytes of the common prefix of ``a[:n]`` and ``b[b_off:b_off + n]`` (both at least that long).
+def common_prefix(a: bytes, a_off: int, b: memoryview, b_off: int, n: int) -> int:
+    """Length in bytes of the common prefix of ``a[a_off:a_off + n]`` and ``b[b_off:b_off + n]`` (both at least
+    that long).
 
     Galloping then bisecting with C-level ``startswith`` on zero-copy views: memcmp-like work, O(log n) calls.
     """
-    mv = memoryview(a)
     lo, step = 0, 256
     while True:  # gallop: the mismatch lies in [lo, hi) once a window compares unequal
         hi = min(lo + step, n)
         if hi <= lo:
             return n
-        if not b.startswith(mv[lo:hi], b_off + lo):
+        if not a.startswith(b[b_off + lo : b_off + hi], a_off + lo):
             break
         lo, step = hi, step * 2
     while hi - lo > 1:  # bisect: a[:lo] matches, a[:hi] does not
         mid = (lo + hi) // 2
-        if b.startswith(mv[lo:mid], b_off + lo):
+        if a.startswith(b[b_off + lo : b_off + mid], a_off + lo):
             lo = mid
         else:
             hi = mid
@@ -189,7 +197,6 @@ class RadixTree:
         self.root_hash = root_hash
         self.verify_tokens = verify_tokens
         self.hash_keys = hash_keys
-        self.no_blocks: BlockIds = np.zeros(0, np.int64)
         self.roots: dict[tuple[str, str], Root] = {}
 
     # ---- roots -------------------------------------------------------------------------------------
@@ -208,11 +215,11 @@ class RadixTree:
     # ---- hashes (tokens mode; lazy) ----------------------------------------------------------------
     def _last_from_first(self, node: Node) -> bytes:
         first = node.first_hash
-        assert first is not None and node.tokens is not None
+        assert first is not None
         n = len(node.blocks)
         if n == 1:
             return first
-        return chain_hashes(self.hasher, first, node.tokens, self.block_size, 1, n)[-1]
+        return chain_hashes(self.hasher, first, node.token_view(self.block_bytes), self.block_size, 1, n)[-1]
 
     def last_hash(self, node: Node) -> bytes:
         """The chained hash of ``node``'s last block (a root: its namespace's root value); computed from the
@@ -234,7 +241,7 @@ class RadixTree:
         bb = self.block_bytes
         for m in reversed(todo):
             assert m.tokens is not None
-            m.first_hash = self.hasher(h, m.tokens[:bb])
+            m.first_hash = self.hasher(h, m.tokens[m.tok_start : m.tok_start + bb])
             m.last_hash = h = self._last_from_first(m)
         return h
 
@@ -243,15 +250,15 @@ class RadixTree:
         h = node.first_hash
         if h is None:
             assert node.parent is not None and node.tokens is not None
-            h = node.first_hash = self.hasher(self.last_hash(node.parent), node.tokens[: self.block_bytes])
+            ts = node.tok_start
+            h = node.first_hash = self.hasher(self.last_hash(node.parent), node.tokens[ts : ts + self.block_bytes])
         return h
 
     def block_hashes(self, node: Node, start: int = 0) -> list[bytes]:
         """Chained hashes of ``node``'s blocks ``start..`` (tokens mode). Caches the node's first and last."""
         first = self.first_hash(node)
-        assert node.tokens is not None
         n = len(node.blocks)
-        out = [first, *chain_hashes(self.hasher, first, node.tokens, self.block_size, 1, n)]
+        out = [first, *chain_hashes(self.hasher, first, node.token_view(self.block_bytes), self.block_size, 1, n)]
         node.last_hash = out[-1]
         return out[start:]
 
@@ -262,9 +269,9 @@ class RadixTree:
         return first_block
 
     # ---- matching ----------------------------------------------------------------------------------
-    def walk_tokens(self, root: Node | None, data: bytes, nblocks: int) -> list[Step]:
-        """The longest cached path for the first ``nblocks`` blocks of token bytes ``data``. Changes nothing
-        (except caching hashes in the injected-hasher mode)."""
+    def walk_tokens(self, root: Node | None, data: memoryview, nblocks: int) -> list[Step]:
+        """The longest cached path for the first ``nblocks`` blocks of token bytes ``data`` (a byte-format view).
+        Changes nothing (except caching hashes in the injected-hasher mode)."""
         path: list[Step] = []
         if root is None:
             return path
@@ -274,20 +281,19 @@ class RadixTree:
         off = 0
         hash_keys = self.hash_keys
         while off < end:
-            first = data[off : off + bb]
+            first = bytes(data[off : off + bb])
             child = node.children.get(self.child_key(node, first) if hash_keys else first)
             if child is None:
                 break
             ct = child.tokens
             assert ct is not None
-            n = len(ct)
-            avail = end - off
+            n = min(len(child.blocks) * bb, end - off)
             if hash_keys and not self.verify_tokens:  # trust the injected hash: compare hashes block by block
-                m = self._matched_by_hash(node, child, data, off, min(n, avail) // bb)
-            elif n <= avail:
-                m = len(child.blocks) if data.startswith(ct, off) else common_prefix(ct, data, off, n) // bb
+                m = self._matched_by_hash(node, child, data, off, n // bb)
+            elif ct.startswith(data[off : off + n], child.tok_start):
+                m = n // bb
             else:
-                m = common_prefix(ct, data, off, avail) // bb
+                m = common_prefix(ct, child.tok_start, data, off, n) // bb
             if m == 0:  # a hash collision on the first block, caught by verification
                 break
             path.append(Step(child, m))
@@ -297,7 +303,7 @@ class RadixTree:
             node = child
         return path
 
-    def _matched_by_hash(self, parent: Node, child: Node, data: bytes, off: int, take: int) -> int:
+    def _matched_by_hash(self, parent: Node, child: Node, data: memoryview, off: int, take: int) -> int:
         """How many of ``child``'s leading blocks hash like ``data``'s blocks from byte ``off`` (injected
         hasher, verify_tokens off)."""
         mine = chain_hashes(self.hasher, self.last_hash(parent), data[off:], self.block_size, 0, take)
@@ -343,9 +349,10 @@ class RadixTree:
             if self.hash_keys:  # the tail's key is its first block's hash: chain up to it
                 hs = self.block_hashes(node)
                 head_last, tail_first = hs[at - 1], hs[at]
-            head = Node(parent, node.key, compact(node.blocks[:at]), node.tokens[: at * bb], None, 0)
-            node.tokens = node.tokens[at * bb :]
-            tail_key: Hashable = tail_first if self.hash_keys else node.tokens[:bb]
+            ts = node.tok_start
+            head = Node(parent, node.key, compact(node.blocks[:at]), node.tokens, None, 0, ts)
+            node.tok_start = ts + at * bb
+            tail_key: Hashable = tail_first if self.hash_keys else node.tokens[node.tok_start : node.tok_start + bb]
         else:
             assert node._keys is not None
             head = Node(parent, node.key, compact(node.blocks[:at]), None, node._keys[:at], 0)
@@ -356,6 +363,8 @@ class RadixTree:
         head.first_hash, head.last_hash = node.first_hash, head_last
         node.first_hash = tail_first
         node.blocks = compact(node.blocks[at:])
+        self._compact_tokens(head)
+        self._compact_tokens(node)
         parent.children[node.key] = head
         node.key = tail_key
         node.parent = head
@@ -387,16 +396,25 @@ class RadixTree:
         freed = node.blocks[keep:][::-1]
         if keep == 0:
             del node.parent.children[node.key]
-            node.blocks = self.no_blocks
+            node.blocks = EMPTY_IDS
         else:
             node.blocks = compact(node.blocks[:keep])
             if node.tokens is not None:
-                node.tokens = node.tokens[: keep * self.block_bytes]
                 node.last_hash = None
+                self._compact_tokens(node)
             else:
                 assert node._keys is not None
                 node._keys = node._keys[:keep]
         return freed
+
+    def _compact_tokens(self, node: Node) -> None:
+        """Copy ``node``'s token bytes out of a shared buffer of which it holds less than half."""
+        buf = node.tokens
+        if buf is not None:
+            span = len(node.blocks) * self.block_bytes
+            if len(buf) > 2 * span + 64:
+                node.tokens = buf[node.tok_start : node.tok_start + span]
+                node.tok_start = 0
 
     def nodes(self) -> Iterator[Node]:
         """Every non-root node, parents before children."""
@@ -408,7 +426,7 @@ class RadixTree:
             stack.extend(n.children.values())
 
     # ---- diagnostics -------------------------------------------------------------------------------
-    def nearest(self, root: Node | None, data: bytes, context: int) -> tuple[int, bytes]:
+    def nearest(self, root: Node | None, data: memoryview, context: int) -> tuple[int, bytes]:
         """(common, following): the length in bytes of the longest common prefix of ``data`` with any cached
         path under ``root``, and up to ``context`` tokens' bytes of that cached path right after it (into the
         most recently used child where paths fork). Token granular, except in the injected-hasher mode with
@@ -425,8 +443,8 @@ class RadixTree:
             more = 0
             if tokenwise:
                 assert node.tokens is not None
-                n = min(len(node.tokens) - at, len(data) - off)
-                more = _whole_tokens(common_prefix(node.tokens[at:], data, off, n))
+                n = min(len(node.blocks) * bb - at, len(data) - off)
+                more = _whole_tokens(common_prefix(node.tokens, node.tok_start + at, data, off, n))
             return off + more, self._following(node, at + more, context)
         node = last.node if last is not None else root
         best: Node | None = None
@@ -435,7 +453,8 @@ class RadixTree:
             c = 0
             if tokenwise:
                 assert child.tokens is not None
-                c = _whole_tokens(common_prefix(child.tokens, data, off, min(len(child.tokens), len(data) - off)))
+                n = min(len(child.blocks) * bb, len(data) - off)
+                c = _whole_tokens(common_prefix(child.tokens, child.tok_start, data, off, n))
             if best is None or (c, child.last_access, child.id) > (best_c, best.last_access, best.id):
                 best, best_c = child, c
         if best is None:
@@ -448,8 +467,8 @@ class RadixTree:
         want = context * TOKEN_BYTES
         out = bytearray()
         while len(out) < want:
-            assert node.tokens is not None
-            out += node.tokens[at : at + want - len(out)]
+            view = node.token_view(self.block_bytes)
+            out += view[at : at + want - len(out)]
             if len(out) >= want or not node.children:
                 break
             node = max(node.children.values(), key=lambda c: (c.last_access, c.id))

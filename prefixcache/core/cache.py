@@ -307,7 +307,7 @@ class PrefixCache:
         self._check_live(handle)
         if handle.mode != "tokens":
             raise ValueError(f"request {handle.id} was matched by keys; use commit_keys")
-        data = memoryview(handle.prompt) if tokens is None else token_bytes(tokens)
+        data = memoryview(handle.prompt) if tokens is None else token_bytes(tokens, valid_prefix=handle.prompt)
         keep_blocks = None
         if keep_tokens is not None:
             keep_blocks = check_int(keep_tokens, "keep_tokens", minimum=0, type_error=ValueError) // self.block_size

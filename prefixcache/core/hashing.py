@@ -77,9 +77,19 @@ def block_keys(
     return chain_hashes(xxh3_hasher(hash_seed), namespace_root(namespace, hash_seed), data, block_size, 0, n)
 
 
-def token_bytes(tokens: Any, what: str = "tokens") -> memoryview:
+def token_bytes(tokens: Any, what: str = "tokens", valid_prefix: bytes = b"") -> memoryview:
     """Validated token ids as a byte-format view of little-endian int32 (no copy when ``tokens`` is already
-    a contiguous int32 array; the view must not outlive a change to it)."""
+    a contiguous int32 array; the view must not outlive a change to it). Leading tokens whose bytes equal
+    ``valid_prefix`` (ids validated before, e.g. the prompt of a match) are not checked again."""
+    if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        data = memoryview(tokens).cast("B")
+        n = len(valid_prefix)
+        skip = n // TOKEN_BYTES if n and len(data) >= n and valid_prefix.startswith(data[:n]) else 0
+        rest = tokens[skip:]
+        if rest.size and rest.min() < 0:
+            bad = skip + int(np.argmax(rest < 0))
+            raise ValueError(f"{what}[{bad}] is {tokens[bad]}; token ids must be >= 0")
+        return data
     return memoryview(as_token_array(tokens, what)).cast("B")
 
 

@@ -74,10 +74,18 @@ and array views, no per-block Python work.
 
     def free(self, ids: BlockIds) -> None:
         """Drop the only owner of each block of the run ``ids`` (distinct ids, each handed out and owned once);
-        they join the free queue in the order given. The caller hands ``ids`` over and must not write to it."""
-        if len(ids):
-            self._queue.extend(pieces_of(ids))
-            self._queued += len(ids)
+        they join the free queue in the order given (a range continuing the last queued one is merged into it).
+        The caller hands ``ids`` over and must not write to it."""
+        if not len(ids):
+            return
+        queue = self._queue
+        for p in pieces_of(ids):
+            last = queue[-1] if queue else None
+            if type(p) is range and type(last) is range and last.stop == p.start and last.step == p.step:
+                queue[-1] = range(last.start, p.stop, p.step)  # a run continuing the last one: keep it whole
+            else:
+                queue.append(p)
+        self._queued += len(ids)
 
     def _free_set(self) -> set[int]:
         return {b for run in self._queue for b in ids_list(run)}

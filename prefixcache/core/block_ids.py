@@ -4,8 +4,9 @@ A run (``BlockIds``) is the ids of consecutive blocks of a prefix, in order. It 
 
 * a ``range``: consecutive ids (what a fresh pool hands out): O(1) memory, O(1) slicing;
 * an int64 numpy array (ids gathered from freed runs): slicing makes views;
-* ``Runs``: a few such pieces one after the other (an allocation that spans several freed runs), sliced
-  piece by piece; past ``MAX_PIECES`` pieces they are copied into one array.
+* ``Runs``: a few such pieces one after the other (a large allocation that spans several freed runs),
+  sliced piece by piece. Pieces of a small run (under ``MIN_RUNS_IDS`` ids), or more than ``MAX_PIECES`` of
+  them, are copied into one array instead: per-piece Python steps cost more than copying a few ids.
 
 All three take ``len``, iterate, and slice with ``[a:b]`` and ``[::-1]`` into a run again. Runs are never
 written to once made (arrays are shared as views), and a view is copied when it would keep alive an array
@@ -22,6 +23,7 @@ import numpy.typing as npt
 
 Piece = range | npt.NDArray[np.int64]
 MAX_PIECES = 16
+MIN_RUNS_IDS = 4096
 
 
 class Runs:
@@ -29,9 +31,9 @@ class Runs:
 
     __slots__ = ("_len", "pieces")
 
-    def __init__(self, pieces: tuple[Piece, ...]) -> None:
+    def __init__(self, pieces: tuple[Piece, ...], length: int) -> None:
         self.pieces = pieces
-        self._len = sum(len(p) for p in pieces)
+        self._len = length  # the sum of the pieces' lengths
 
     def __len__(self) -> int:
         return self._len
@@ -43,23 +45,27 @@ class Runs:
         if not isinstance(key, slice):
             raise TypeError("Runs only slice (run[a:b], run[::-1])")
         start, stop, step = key.indices(self._len)
+        if step == 1:
+            return self if start == 0 and stop >= self._len else self._cut(start, stop)
         if step == -1:  # reversed(self[stop + 1 : start + 1])
-            part = self[stop + 1 : start + 1]
-            if isinstance(part, Runs):
-                return Runs(tuple(p[::-1] for p in reversed(part.pieces)))
+            lo, hi = stop + 1, start + 1
+            part = self if lo == 0 and hi == self._len else self._cut(lo, hi)
+            if type(part) is Runs:
+                return Runs(tuple([p[::-1] for p in reversed(part.pieces)]), part._len)
             return part[::-1]
-        if step != 1:
-            return ids_array(self)[key]
+        return ids_array(self)[key]
+
+    def _cut(self, start: int, stop: int) -> BlockIds:
         out: list[Piece] = []
         at = 0
         for p in self.pieces:
             n = len(p)
-            lo, hi = max(start - at, 0), min(stop - at, n)
-            if lo < hi:
-                out.append(p if lo == 0 and hi == n else p[lo:hi])
-            at += n
-            if at >= stop:
+            lo, hi = start - at, stop - at
+            if hi <= 0:
                 break
+            if lo < n:
+                out.append(p if lo <= 0 and hi >= n else p[max(lo, 0) : hi])
+            at += n
         return make_ids(out)
 
     def __repr__(self) -> str:
@@ -72,30 +78,37 @@ EMPTY_IDS: BlockIds = range(0)
 
 def compact(ids: BlockIds) -> BlockIds:
     """``ids``, or a copy of it when it is an array view of an array more than twice its size."""
-    if isinstance(ids, np.ndarray):
+    if type(ids) is np.ndarray:
         base = ids.base
-        if base is not None and isinstance(base, np.ndarray) and base.size > 2 * ids.size + 8:
+        if base is not None and type(base) is np.ndarray and base.size > 2 * ids.size + 8:
             return ids.copy()
     return ids
 
 
 def make_ids(pieces: list[Piece]) -> BlockIds:
-    """The run made of ``pieces`` one after the other (empty ones dropped; copied into one array past
-    MAX_PIECES)."""
-    pieces = [p for p in pieces if len(p)]
-    if not pieces:
-        return EMPTY_IDS
-    if len(pieces) == 1:
-        return compact(pieces[0])
-    if len(pieces) > MAX_PIECES:
-        return np.concatenate([ids_array(p) for p in pieces])
-    return Runs(tuple(compact_piece(p) for p in pieces))
+    """The run made of ``pieces`` one after the other (empty ones dropped; see the module docstring for when
+    they are copied into one array)."""
+    kept: list[Piece] = []
+    total = 0
+    for p in pieces:
+        n = len(p)
+        if n:
+            kept.append(p)
+            total += n
+    if len(kept) <= 1:
+        return compact(kept[0]) if kept else EMPTY_IDS
+    if len(kept) > MAX_PIECES or total < MIN_RUNS_IDS:
+        return np.concatenate([ids_array(p) for p in kept])
+    return Runs(tuple([compact_piece(p) for p in kept]), total)
 
 
 def compact_piece(p: Piece) -> Piece:
-    out = compact(p)
-    assert not isinstance(out, Runs)
-    return out
+    """``compact`` for one piece."""
+    if type(p) is np.ndarray:
+        base = p.base
+        if base is not None and type(base) is np.ndarray and base.size > 2 * p.size + 8:
+            return p.copy()
+    return p
 
 
 def pieces_of(ids: BlockIds) -> tuple[Piece, ...]:

@@ -13,13 +13,13 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
+from operator import attrgetter
 from typing import Any, Protocol
 
 from sortedcontainers import SortedDict
 
 Clock = Callable[[], float]
 NOT_RETAINED = -math.inf  # a node's keep_until when nobody asked to keep it
-_GONE = object()  # "not in the set" (keys may be anything comparable)
 
 
 class Evictable(Protocol):
@@ -53,39 +53,40 @@ class EvictionPolicy(Protocol):
 class KeyedPolicy:
     """An evictable set ordered by ``(key(node), node.id)``, victim first.
 
-    A binary heap of ``(key, id, seq, node)`` entries with lazy deletion: ``_live`` maps the id of every node
-    in the set to its key; ``remove`` only forgets the id, and entries whose id is gone (or re-added under
-    another key) are dropped when they reach the top, or all at once when they outnumber live ones.
-    add/remove/peek cost O(log n) C-level heap steps; iteration sorts (for tests and integrity checks).
+    A binary heap of ``(key, id)`` entries with lazy deletion: ``_live`` maps the id of every node in the set
+    to ``(key, node)``; ``remove`` only forgets the id, and heap entries whose id is gone (or back under
+    another key) are dropped when they reach the top, or all at once when they outnumber live ones. Entries
+    hold no node, so an evicted node is freed at once. add/remove/peek cost O(log n) C-level heap steps;
+    iteration sorts (for tests and integrity checks).
     """
 
     name = "keyed"
 
     def __init__(self, key: Callable[[Evictable], Hashable]) -> None:
         self._key = key
-        self._heap: list[tuple[Any, int, int, Evictable]] = []
-        self._live: dict[int, Any] = {}
-        self._seq = itertools.count()
+        self._heap: list[tuple[Any, int]] = []
+        self._live: dict[int, tuple[Any, Evictable]] = {}
 
     def add(self, node: Evictable) -> None:
-        if node.id in self._live:
-            raise AssertionError(f"node {node.id} is already evictable")
+        i = node.id
+        if i in self._live:
+            raise AssertionError(f"node {i} is already evictable")
         k = self._key(node)
-        self._live[node.id] = k
-        heapq.heappush(self._heap, (k, node.id, next(self._seq), node))
+        self._live[i] = (k, node)
+        heapq.heappush(self._heap, (k, i))
 
     def remove(self, node: Evictable) -> None:
-        if self._live.pop(node.id, _GONE) is not _GONE and len(self._heap) > 2 * len(self._live) + 64:
-            live = self._live
-            self._heap = [e for e in self._heap if live.get(e[1], _GONE) == e[0]]
+        if self._live.pop(node.id, None) is not None and len(self._heap) > 2 * len(self._live) + 64:
+            self._heap = [(k, i) for i, (k, _n) in self._live.items()]
             heapq.heapify(self._heap)
 
     def peek(self) -> Evictable | None:
         heap, live = self._heap, self._live
         while heap:
-            k, i, _seq, node = heap[0]
-            if live.get(i, _GONE) == k:
-                return node
+            k, i = heap[0]
+            entry = live.get(i)
+            if entry is not None and entry[0] == k:
+                return entry[1]
             heapq.heappop(heap)
         return None
 
@@ -96,27 +97,23 @@ class KeyedPolicy:
         return getattr(node, "id", None) in self._live
 
     def __iter__(self) -> Iterator[Evictable]:
-        live = self._live
-        best: dict[int, tuple[Any, int, int, Evictable]] = {}
-        for e in self._heap:
-            if live.get(e[1], _GONE) == e[0]:
-                best.setdefault(e[1], e)
-        return iter([e[3] for e in sorted(best.values(), key=lambda e: (e[0], e[1]))])
+        order = sorted((k, i) for i, (k, _n) in self._live.items())
+        return iter([self._live[i][1] for _k, i in order])
 
 
 def lru(clock: Clock | None = None) -> EvictionPolicy:
     """Least recently used first (last match or insert)."""
-    return KeyedPolicy(lambda n: n.last_access)
+    return KeyedPolicy(attrgetter("last_access"))
 
 
 def fifo(clock: Clock | None = None) -> EvictionPolicy:
     """Oldest inserted first, whatever its use since."""
-    return KeyedPolicy(lambda n: n.created)
+    return KeyedPolicy(attrgetter("created"))
 
 
 def lfu(clock: Clock | None = None) -> EvictionPolicy:
     """Fewest hits first; among equals, least recently used."""
-    return KeyedPolicy(lambda n: (n.hits, n.last_access))
+    return KeyedPolicy(attrgetter("hits", "last_access"))
 
 
 class RetentionPolicy:
@@ -131,7 +128,7 @@ class RetentionPolicy:
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        self._free = KeyedPolicy(lambda n: n.last_access)
+        self._free = KeyedPolicy(attrgetter("last_access"))
         self._kept: SortedDict = SortedDict()
         self._kept_keys: dict[int, tuple] = {}
 

@@ -19,6 +19,7 @@ from prefixcache.core.block_ids import (
     pieces_of,
 )
 
+
 class BlockAllocator:
     """Hands out block ids ``0..num_blocks-1`` in runs (``BlockIds``), without materialising the pool.
 
@@ -27,7 +28,7 @@ class BlockAllocator:
     first, a deque of runs), so a freed block is reused as late as possible. Memory is proportional to the
     ids handed out and not yet reused, never to ``num_blocks``: a pool of 2**40 blocks costs nothing until
     used (fresh ids are handed out as ranges). ``allocate`` and ``free`` cost O(runs touched) steps on ranges
-and array views, no per-block Python work.
+    and array views, no per-block Python work.
 
     Reference counts: a handed-out block has one owner, plus those added by ``incref`` (kept in a dict, only
     for such blocks). ``free`` is the one-owner fast path the cache uses; it trusts its caller (the partition

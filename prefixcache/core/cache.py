@@ -28,8 +28,8 @@ from prefixcache.core.allocator import BlockAllocator
 from prefixcache.core.block_ids import EMPTY_IDS, BlockIds, Runs, ids_array, ids_list
 from prefixcache.core.checks import check_int, check_str
 from prefixcache.core.config import DEFAULT_NAMESPACE, CacheConfig
-from prefixcache.core.eviction import POLICIES, EvictionPolicy
 from prefixcache.core.events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent, Listener, Subscribers
+from prefixcache.core.eviction import POLICIES, EvictionPolicy
 from prefixcache.core.hashing import (
     TOKEN_DTYPE,
     BlockHasher,

@@ -10,7 +10,6 @@ that look at retention use it).
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
 from operator import attrgetter

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.table import Table as RichTable
@@ -119,7 +120,7 @@ def answer_table(plan: Plan) -> RichTable:
 
 
 # ---- JSON -----------------------------------------------------------------------------------------------
-def to_dict(plan: Plan, full_curve_points: int = 512) -> dict:
+def to_dict(plan: Plan, full_curve_points: int = 512) -> dict[str, Any]:
     """A JSON-ready dict: settings, grid rates, answers, and the LRU curve at ``full_curve_points`` log points."""
     W = max(1, plan.working_set_blocks)
     caps = np.unique(np.round(np.geomspace(1, W, num=min(W, full_curve_points))).astype(np.int64))

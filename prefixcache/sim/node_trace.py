@@ -72,7 +72,8 @@ def canonical_blocks(trace: Trace) -> NodeTrace:
 def _consistent_nodes(ids: np.ndarray, starts: np.ndarray, req_ns: np.ndarray) -> np.ndarray | None:
     """Dense node ids when each hash id has one (parent, namespace) everywhere, else None."""
     if len(ids) == 0:
-        return ids.copy()
+        empty: np.ndarray = ids.copy()
+        return empty
     lo, hi = int(ids.min()), int(ids.max())
     if lo >= 0 and hi < 4 * len(ids) + 1024:
         dense, size = ids, hi + 1
@@ -100,7 +101,8 @@ def _consistent_nodes(ids: np.ndarray, starts: np.ndarray, req_ns: np.ndarray) -
     if used.all():
         return np.ascontiguousarray(dense, dtype=np.int64)
     remap = np.cumsum(used) - 1
-    return remap[dense].astype(np.int64)
+    out: np.ndarray = remap[dense].astype(np.int64)
+    return out
 
 
 def _walk_nodes(ids: np.ndarray, offsets: np.ndarray, req_ns: np.ndarray) -> np.ndarray:

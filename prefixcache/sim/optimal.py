@@ -27,16 +27,16 @@ class NextUse:
     ``first[i]:first[i+1]`` selects request i's runs, shallow first."""
 
     first: np.ndarray
-    lo: list
-    hi: list
-    nxt: list
+    lo: list[int]
+    hi: list[int]
+    nxt: list[int]
 
 
 def next_uses(nt: NodeTrace) -> NextUse:
     """Next-use runs of every request (one backward pass; next use is non-decreasing with depth)."""
     n_req = len(nt)
     nxt_of = np.full(max(nt.num_nodes, 1), n_req, dtype=np.int64)
-    per_req: list[tuple[list, list, list]] = [None] * n_req  # type: ignore[list-item]
+    per_req: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * n_req
     nodes, offsets = nt.nodes, nt.offsets.tolist()
     for i in range(n_req - 1, -1, -1):
         blk = nodes[offsets[i] : offsets[i + 1]]

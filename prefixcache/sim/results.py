@@ -17,7 +17,7 @@ from prefixcache.sim.policy import Capacity
 class Row(NamedTuple):
     """One request's outcome at one capacity."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index, kept for the record format
     namespace: str
     prompt_tokens: int
     cached_tokens: int

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TypeVar
+from typing import overload
 
 from prefixcache.workload.scenario import Scenario
 from prefixcache.workload.trace import Trace
 
 ORDERS = ("file", "timestamp")
-W = TypeVar("W", Trace, Scenario)
 
 
-def ordered(workload: W, order: str = "file") -> W:
+@overload
+def ordered(workload: Trace, order: str = "file") -> Trace: ...
+@overload
+def ordered(workload: Scenario, order: str = "file") -> Scenario: ...
+def ordered(workload: Trace | Scenario, order: str = "file") -> Trace | Scenario:
     """``workload`` (a Trace or a Scenario) in ``order``; requests without a timestamp sort last. Changes nothing.
 
     Raises ValueError for an unknown order."""

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import overload
+from typing import IO, Any, overload
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class Trace(Sequence[TraceRequest]):
     def __getitem__(self, i: int) -> TraceRequest: ...
     @overload
     def __getitem__(self, i: slice) -> Trace: ...
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i: int | slice) -> TraceRequest | Trace:
         if isinstance(i, slice):
             return self.take(np.arange(len(self))[i])
         if i < 0:
@@ -140,13 +140,13 @@ def is_trace_path(path: str | Path) -> bool:
     return name.endswith(TRACE_SUFFIXES)
 
 
-def _open_text(path: Path):
+def _open_text(path: Path) -> IO[str]:
     if path.suffix == ".gz":
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
 
 
-def _int_field(d: dict, key: str, path: Path, line: int, *, required: bool, minimum: int = 0) -> int:
+def _int_field(d: dict[str, Any], key: str, path: Path, line: int, *, required: bool, minimum: int = 0) -> int:
     if key not in d:
         if required:
             raise InputError(f"missing field {key!r}", path, line)

@@ -9,7 +9,7 @@ the Mooncake paper's Figure 9 points.
 (c) Mooncake synthetic trace, token-weighted, blocks of 512: LRU (and the optimal bound) at 1M/2M/3M/10M
     tokens beside the paper's Figure 9 (about 14%, 23%, 31%, 58%).
 
-    python benchmarks/bench_curves.py [--quick] [--repeat N] [--json FILE] [--check-kvtester-replay]
+    python benchmarks/bench_curves.py [--quick] [--repeat N] [--json FILE] [--kvtester FILE [--check-kvtester-replay]]
 """
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from prefixcache import CacheConfig, PrefixCache
-from prefixcache.sim.curves import canonical_blocks, lru_curve, next_uses, optimal_hits, ordered
+from prefixcache.sim.lru_curve import lru_curve
+from prefixcache.sim.node_trace import canonical_blocks
+from prefixcache.sim.optimal import next_uses, optimal_hits
+from prefixcache.sim.policy import Capacity
+from prefixcache.sim.replay import replay as run_replay
+from prefixcache.sim.requests import from_trace
+from prefixcache.workload.order import ordered
 from prefixcache.workload.trace import load_trace
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
-MOONCAKE = ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl")
-KVTESTER = "kvtester_claude_code_710sessions.jsonl.gz"
+TRACES = Path(__file__).resolve().parents[1] / "scenarios" / "traces"
+MOONCAKE = ("mooncake_conversation_trace.jsonl.gz", "mooncake_synthetic_trace.jsonl.gz")
 FIG9 = ((1_000_000, 0.14), (2_000_000, 0.23), (3_000_000, 0.31), (10_000_000, 0.58))  # tokens, paper's rate
 
 console = Console(width=160)
@@ -47,13 +51,9 @@ def timed(fn, repeat: int):
 
 
 def replay(trace, capacity: int) -> tuple[int, int]:
-    cache = PrefixCache(CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction="lru"))
-    ids, off, lens, ns = trace.ids, trace.offsets.tolist(), trace.input_length.tolist(), trace.namespace
-    for i in range(len(lens)):
-        m = cache.match_keys(ids[off[i] : off[i + 1]].tolist(), ns[i], num_tokens=lens[i])
-        cache.commit_keys(m.handle)
-        cache.release(m.handle)
-    return cache.stats.hit_blocks, cache.stats.cached_tokens
+    """Hit blocks and hit tokens of one replay through the shared loop (prefixcache.sim.replay)."""
+    t = run_replay(from_trace(trace), Capacity(capacity)).totals()
+    return t["hit_blocks"], t["cached_tokens"]
 
 
 def bench_mooncake(repeat: int) -> list[dict]:
@@ -85,10 +85,10 @@ def bench_mooncake(repeat: int) -> list[dict]:
     return rows
 
 
-def bench_kvtester(check_replay: bool) -> list[dict]:
+def bench_kvtester(path: Path, check_replay: bool) -> list[dict]:
     rows = []
     t = time.perf_counter()
-    raw = load_trace(TRACES / KVTESTER)
+    raw = load_trace(path)
     t_load = time.perf_counter() - t
     for order in ("timestamp", "file"):
         t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def bench_kvtester(check_replay: bool) -> list[dict]:
 
 
 def bench_fig9() -> list[dict]:
-    tr = load_trace(TRACES / "mooncake_synthetic_trace.jsonl")
+    tr = load_trace(TRACES / "mooncake_synthetic_trace.jsonl.gz")
     nt = canonical_blocks(tr)
     curve = lru_curve(nt)
     nu = next_uses(nt)
@@ -160,9 +160,8 @@ def main() -> None:
         help="also replay the interleaved kv-tester trace at 100,000 blocks and compare (slow)",
     )
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--kvtester", type=Path, help="the kv-cache-tester trace (.jsonl.gz; not shipped) for part (b)")
     args = ap.parse_args()
-    if not TRACES.is_dir():
-        raise SystemExit(f"traces not found at {TRACES}")
     out: dict = {}
 
     out["mooncake"] = rows = bench_mooncake(args.repeat)
@@ -210,8 +209,8 @@ def main() -> None:
         )
     console.print(t)
 
-    if not args.quick:
-        out["kvtester"] = rows = bench_kvtester(args.check_kvtester_replay)
+    if not args.quick and args.kvtester is not None:
+        out["kvtester"] = rows = bench_kvtester(args.kvtester, args.check_kvtester_replay)
         t = Table(
             title="(b) kv-cache-tester trace: full LRU curve (seconds), block-weighted hit rates", title_justify="left"
         )

@@ -25,9 +25,10 @@ import torch
 
 from engine.models import PRESETS, load_model
 from engine.wrapper import PrefixCachedModel
-from prefixcache.reports.record import Row, RunResult
-from prefixcache.sim.replay import Capacity, warmup_count
-from prefixcache.workload.render import Conversations, synthetic_reply
+from prefixcache.sim.policy import Capacity, measured_from
+from prefixcache.sim.requests import from_scenario
+from prefixcache.sim.results import Row, RunResult
+from prefixcache.workload.render import Conversations
 from prefixcache.workload.requests import Message
 from prefixcache.workload.scenario import Scenario
 
@@ -90,15 +91,15 @@ def _ascii_only(tokenizer: Any) -> list[int]:
     return [i for i in range(len(tokenizer)) if i not in keep]
 
 
+UNLIMITED_MARGIN = 1.25
+
+
 def _estimate_unlimited(scenario: Scenario, renderer: HFRenderer, block_size: int) -> int:
-    """Blocks enough to never evict: prompts rendered with synthetic replies, plus all outputs, with margin."""
-    conv = Conversations()
-    total = 0
-    for i, req in enumerate(scenario.requests):
-        k = req.max_new_tokens or scenario.max_new_tokens
-        total += (len(conv.prompt(req, renderer)) + k) // block_size + 1
-        conv.add_reply(req, synthetic_reply(scenario.seed, i, k))
-    return max(1, int(total * 1.25))
+    """A pool that never evicts: the blocks the scenario inserts with synthetic replies of ``max_new_tokens``
+    tokens (exact for the simulator), times a margin, because a model's replies, decoded to text and
+    re-encoded in the next turn's history, may take a few more tokens than that."""
+    blocks = from_scenario(scenario, block_size, renderer).max_inserted_blocks()
+    return max(1, int(blocks * UNLIMITED_MARGIN))
 
 
 def replay(
@@ -168,7 +169,7 @@ def replay(
             baseline,
             max_pos,
             vocab,
-            cap.blocks is None,
+            cap,
             on_row,
         )
         results.append(res)
@@ -191,11 +192,11 @@ def _replay_one(
     baseline: bool,
     max_pos: int | None,
     vocab: int,
-    unlimited: bool,
-    on_row: Callable | None,
+    capacity: Capacity,
+    on_row: Callable[[Row, Any], None] | None,
 ) -> RunResult:
     conv = Conversations()
-    n_warm = warmup_count(len(scenario.requests), warmup)
+    n_warm = measured_from(len(scenario.requests), warmup)
     rows: list[Row] = []
     stats = pcm.cache.stats
     device = next(hf_model.parameters()).device
@@ -243,4 +244,4 @@ def _replay_one(
                 on_row(row, pcm.cache)
     except KeyboardInterrupt:
         partial = True
-    return RunResult(nb, bs, tuple(rows), partial, unlimited)
+    return RunResult(capacity, nb, bs, tuple(rows), partial)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the traces folder (a sibling of the repo root) and a one-request helper."""
+"""Shared fixtures: the shipped traces folder (scenarios/traces) and a one-request helper."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "scenarios" / "traces"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture
 def traces_dir() -> Path:
-    """../shared/data/traces; skips the test when the folder is absent."""
-    if not TRACES.is_dir():
-        pytest.skip(f"traces not found at {TRACES}")
+    """scenarios/traces: the Mooncake traces shipped with the project (gzipped)."""
     return TRACES
 
 

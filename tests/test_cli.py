@@ -11,7 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache import cli
-from prefixcache.sim.replay import simulate_trace
+from prefixcache.cli.console import RunProgress
+from prefixcache.sim.policy import Capacity
+from prefixcache.sim.replay import replay
+from prefixcache.sim.requests import from_trace
 from prefixcache.workload.trace import load_trace
 
 DATA = Path(__file__).parent / "data"
@@ -40,16 +43,16 @@ def test_simulate_sweep_writes_versioned_record(tmp_path):
     )
     assert r.exit_code == 0, r.output
     rec = json.loads(out.read_text())
-    assert rec["version"] == 1 and rec["command"] == "simulate" and rec["partial"] is False
+    assert rec["version"] == 2 and rec["command"] == "simulate" and rec["partial"] is False
     caps = [t["capacity_blocks"] for t in rec["totals"]]
     assert caps == [40, 100, None]  # smallest first, unlimited last
     trace = load_trace(SAMPLE)
     for t, run_ in zip(rec["totals"], rec["runs"]):
-        ref = simulate_trace(trace, t["pool_blocks"]).totals()
+        ref = replay(from_trace(trace), Capacity(t["capacity_blocks"])).totals()
         for key in ("requests", "prompt_tokens", "cached_tokens", "token_hit_rate", "block_hit_rate"):
             assert t[key] == ref[key]
-        assert len(run_["rows"]) == 200
-        assert {"prompt_tokens", "cached_tokens", "evicted_blocks", "outputs_match"} <= set(run_["rows"][0])
+        assert len(run_["rows"]["index"]) == 200  # rows are stored column by column
+        assert {"prompt_tokens", "cached_tokens", "evicted_blocks", "outputs_match"} <= set(run_["rows"])
     assert rec["totals"][-1]["evicted_blocks"] == 0
 
 
@@ -58,9 +61,9 @@ def test_simulate_scenario_and_warmup(tmp_path):
     r = run("simulate", SCENARIOS / "chat.yaml", "--warmup", "0.5", "--json", out)
     assert r.exit_code == 0, r.output
     rec = json.loads(out.read_text())
-    rows = rec["runs"][0]["rows"]
-    assert sum(row["warmup"] for row in rows) == len(rows) // 2
-    assert rec["totals"][0]["requests"] == len(rows) - len(rows) // 2
+    warmup = rec["runs"][0]["rows"]["warmup"]
+    assert sum(warmup) == len(warmup) // 2
+    assert rec["totals"][0]["requests"] == len(warmup) - len(warmup) // 2
     assert len(rec["totals"]) == 2  # the scenario's own capacities
 
 
@@ -121,18 +124,18 @@ def test_replay_refuses_a_trace():
 
 def test_ctrl_c_writes_partial_record(tmp_path, monkeypatch):
     out = tmp_path / "run.json"
-    real_row = cli._Progress.row
+    real_row = RunProgress.row
 
     def row(self, r, cache=None):
         real_row(self, r, cache)
         if r.index == 29:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli._Progress, "row", row)
+    monkeypatch.setattr(RunProgress, "row", row)
     r = run("simulate", SAMPLE, "--capacity-blocks", "100", "--capacity-blocks", "200", "--json", out)
     assert r.exit_code == 130
     rec = json.loads(out.read_text())
-    assert rec["partial"] is True and len(rec["runs"]) == 1 and len(rec["runs"][0]["rows"]) == 30
+    assert rec["partial"] is True and len(rec["runs"]) == 1 and len(rec["runs"][0]["rows"]["index"]) == 30
     assert rec["totals"][0]["requests"] == 30
     r = run("report", out)  # the partial record still renders
     assert r.exit_code == 0 and "PARTIAL" in r.output

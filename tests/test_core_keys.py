@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -35,7 +36,8 @@ def test_keys_hits_counts_and_default_commit():
 
 
 def _replay(path, num_blocks: int | None) -> float:
-    rows = [json.loads(line) for line in path.open()]
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
     unlimited = sum(len(r["hash_ids"]) for r in rows)
     cache = PrefixCache(CacheConfig(num_blocks=num_blocks or unlimited, block_size=512))
     for r in rows:
@@ -49,16 +51,14 @@ def _replay(path, num_blocks: int | None) -> float:
 @pytest.mark.parametrize(
     ("trace", "num_blocks", "expected"),
     [
-        ("mooncake_conversation_trace.jsonl", 1_000, 0.0445),
-        ("mooncake_conversation_trace.jsonl", 10_000, 0.2116),
-        ("mooncake_conversation_trace.jsonl", None, 0.3664),
-        ("mooncake_synthetic_trace.jsonl", 10_000, 0.4239),
-        ("mooncake_synthetic_trace.jsonl", None, 0.6396),
+        ("mooncake_conversation_trace.jsonl.gz", 1_000, 0.0445),
+        ("mooncake_conversation_trace.jsonl.gz", 10_000, 0.2116),
+        ("mooncake_conversation_trace.jsonl.gz", None, 0.3664),
+        ("mooncake_synthetic_trace.jsonl.gz", 10_000, 0.4239),
+        ("mooncake_synthetic_trace.jsonl.gz", None, 0.6396),
     ],
 )
 def test_mooncake_block_hit_rates_match_design(traces_dir, trace, num_blocks, expected):
     """DESIGN.md §7: block-LRU with prefix semantics, file order, no warm-up."""
     path = traces_dir / trace
-    if not path.exists():
-        pytest.skip(f"{path} missing")
     assert _replay(path, num_blocks) == pytest.approx(expected, abs=5e-5)

@@ -12,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.sim.curves import canonical_blocks, log_grid, lru_curve, ordered, trace_from_lists
-from prefixcache.workload.trace import load_trace
+from prefixcache.sim.lru_curve import lru_curve
+from prefixcache.sim.node_trace import canonical_blocks
+from prefixcache.sim.plan import log_grid
+from prefixcache.workload.order import ordered
+from prefixcache.workload.trace import load_trace, trace_from_lists
 
 
 def replay_lru(trace, capacity: int, warmup_from: int = 0) -> tuple[int, int, int, int]:
@@ -42,6 +45,9 @@ def check_equal(trace, capacities, warmup: float = 0.0) -> None:
         assert (curve.total_blocks, curve.total_tokens) == (tb, tt)
 
 
+DATA = Path(__file__).parent / "data"
+
+
 def slice_lines(src: Path, dst: Path, first: int, count: int) -> Path:
     opener = gzip.open if src.suffix == ".gz" else open
     with opener(src, "rt", encoding="utf-8") as f, open(dst, "w", encoding="utf-8") as out:
@@ -68,9 +74,9 @@ def test_hand_computed_stack_distances():
 @pytest.mark.parametrize(
     "name,first,count",
     [
-        ("mooncake_conversation_trace.jsonl", 0, 500),
-        ("mooncake_conversation_trace.jsonl", 6000, 400),
-        ("mooncake_synthetic_trace.jsonl", 0, 500),
+        ("mooncake_conversation_trace.jsonl.gz", 0, 500),
+        ("mooncake_conversation_trace.jsonl.gz", 6000, 400),
+        ("mooncake_synthetic_trace.jsonl.gz", 0, 500),
     ],
 )
 def test_mooncake_slices_equal_replays(traces_dir, tmp_path, name, first, count):
@@ -81,7 +87,7 @@ def test_mooncake_slices_equal_replays(traces_dir, tmp_path, name, first, count)
 
 
 def test_mooncake_warmup_and_timestamp_order(traces_dir, tmp_path):
-    tr = load_trace(slice_lines(traces_dir / "mooncake_conversation_trace.jsonl", tmp_path / "s.jsonl", 2000, 300))
+    tr = load_trace(slice_lines(traces_dir / "mooncake_conversation_trace.jsonl.gz", tmp_path / "s.jsonl", 2000, 300))
     check_equal(tr, [1, 10, 100, 400, 1500], warmup=0.3)
     rng = np.random.default_rng(0)
     shuffled = tr.take(rng.permutation(len(tr)))  # out of time order, so the stable sort matters
@@ -90,11 +96,9 @@ def test_mooncake_warmup_and_timestamp_order(traces_dir, tmp_path):
     check_equal(by_time, [5, 50, 500])
 
 
-def test_kvtester_sessions_interleaved_equal_replays(traces_dir, tmp_path):
+def test_kvtester_sessions_interleaved_equal_replays(tmp_path):
     """kv-tester lines carry sessions (namespaces) and resend their history: long runs per request."""
-    tr = load_trace(
-        slice_lines(traces_dir / "kvtester_claude_code_710sessions.jsonl.gz", tmp_path / "kv.jsonl", 0, 160)
-    )
+    tr = load_trace(slice_lines(DATA / "kvtester_head160.jsonl.gz", tmp_path / "kv.jsonl", 0, 160))
     assert len(set(tr.namespace)) > 1
     tr = ordered(tr, "timestamp")
     W = canonical_blocks(tr).num_nodes
@@ -154,7 +158,7 @@ def test_random_arbitrary_traces_equal_replays(tr):
 
 def test_fast_and_dict_paths_agree():
     """The vectorised node numbering and the dict walk give the same partition of references."""
-    from prefixcache.sim.curves import _consistent_nodes, _walk_nodes
+    from prefixcache.sim.node_trace import _consistent_nodes, _walk_nodes
 
     rng = np.random.default_rng(1)
     reqs = []

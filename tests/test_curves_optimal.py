@@ -13,8 +13,11 @@ from hypothesis import strategies as st
 from test_curves_lru import slice_lines
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.sim.curves import canonical_blocks, log_grid, lru_curve, next_uses, optimal_hits, trace_from_lists
-from prefixcache.workload.trace import load_trace
+from prefixcache.sim.lru_curve import lru_curve
+from prefixcache.sim.node_trace import canonical_blocks
+from prefixcache.sim.optimal import next_uses, optimal_hits
+from prefixcache.sim.plan import log_grid
+from prefixcache.workload.trace import load_trace, trace_from_lists
 
 
 def brute_force_best(trace, capacity: int, warmup_from: int = 0, weight: str = "blocks") -> int:
@@ -126,7 +129,8 @@ def test_prefix_semantics_counted_once():
 
 
 @pytest.mark.parametrize(
-    "name,first,count", [("mooncake_conversation_trace.jsonl", 3000, 300), ("mooncake_synthetic_trace.jsonl", 0, 300)]
+    "name,first,count",
+    [("mooncake_conversation_trace.jsonl.gz", 3000, 300), ("mooncake_synthetic_trace.jsonl.gz", 0, 300)],
 )
 @pytest.mark.parametrize("warmup", [0.0, 0.4])
 def test_bound_dominates_policies_on_mooncake_slices(traces_dir, tmp_path, name, first, count, warmup):

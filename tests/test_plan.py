@@ -10,10 +10,11 @@ from test_curves_lru import slice_lines
 from typer.testing import CliRunner
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.sim.curves import canonical_blocks, optimal_hits, trace_from_lists
 from prefixcache.sim.kv_size import PRESETS
+from prefixcache.sim.node_trace import canonical_blocks
+from prefixcache.sim.optimal import optimal_hits
 from prefixcache.sim.plan import make_plan
-from prefixcache.workload.trace import load_trace
+from prefixcache.workload.trace import load_trace, trace_from_lists
 
 
 def rate(trace, policy: str, capacity: int, weight: str, warmup: float = 0.0, keep_for=None) -> float:
@@ -38,7 +39,7 @@ def rate(trace, policy: str, capacity: int, weight: str, warmup: float = 0.0, ke
 
 @pytest.fixture
 def conv_slice(traces_dir, tmp_path):
-    return slice_lines(traces_dir / "mooncake_conversation_trace.jsonl", tmp_path / "conv.jsonl", 1000, 250)
+    return slice_lines(traces_dir / "mooncake_conversation_trace.jsonl.gz", tmp_path / "conv.jsonl", 1000, 250)
 
 
 @pytest.mark.parametrize("weight,warmup", [("tokens", 0.0), ("blocks", 0.2)])
@@ -148,8 +149,8 @@ def test_cli_plan_writes_reports(conv_slice, tmp_path):
         assert r == pytest.approx(rate(tr, "lfu", c, "tokens", 0.1))
     html = (out / "p.html").read_text()
     assert "data:image/png;base64," in html and "<table>" in html
-    assert (out / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "p.png" in (out / "p.md").read_text()
+    assert (out / "p_plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # figures are named STEM_<plot>.png
+    assert "(p_plot.png)" in (out / "p.md").read_text()
 
 
 def test_cli_plan_errors(conv_slice, tmp_path):

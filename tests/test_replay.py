@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 from engine.models import load_model
 from engine.replay import ReplayError, replay
 from prefixcache import cli
-from prefixcache.sim.replay import Capacity, simulate_requests, unlimited_blocks
+from prefixcache.sim.policy import Capacity, ReplayPolicy
+from prefixcache.sim.replay import replay as simulate_replay
+from prefixcache.sim.requests import from_scenario
 from prefixcache.workload.render import ByteRenderer, Conversations
 from prefixcache.workload.requests import ScenarioRequest
 from prefixcache.workload.scenario import load_scenario
@@ -44,7 +46,7 @@ def test_replay_matches_uncached_and_simulation(tiny, handwritten):
     assert len(rows) == len(sc.requests)
     assert all(r.outputs_match is True for r in rows)
     assert all(r.ttft_cached_s > 0 and r.ttft_uncached_s > 0 and r.total_cached_s >= r.ttft_cached_s for r in rows)
-    sim = simulate_requests(sc, unlimited_blocks(sc, bs), bs).rows
+    sim = simulate_replay(from_scenario(sc, bs), Capacity(None)).rows
     # prompts are tokenised identically (the byte renderer twins the built-in tokenizer) ...
     assert [r.prompt_tokens for r in rows] == [r.prompt_tokens for r in sim]
     # ... so hits agree wherever no earlier reply is part of the prompt (request 4 continues a conversation)
@@ -122,7 +124,7 @@ def test_replay_eviction_policy_matches_simulation(tiny, handwritten):
     last = {}
     for eviction in ("lru", "fifo", "lfu"):
         (res,), _ = replay(sc, [Capacity(4)], block_size=2, eviction=eviction, baseline=False, loaded=tiny)
-        sim = simulate_requests(sc, 4, 2, eviction=eviction).rows
+        sim = simulate_replay(from_scenario(sc, 2), Capacity(4), ReplayPolicy(eviction)).rows
         assert [r.cached_tokens for r in res.rows] == [s.cached_tokens for s in sim]
         last[eviction] = res.rows[-1].cached_tokens
     assert last == {"lru": 4, "fifo": 0, "lfu": 4}

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from rich.console import Console
 
 from prefixcache.core.errors import InputError
-from prefixcache.reports.record import Row, RunResult, build_record, load_record, save_record, totals
-from prefixcache.reports.run_report import plots, summary_table, to_html, to_markdown
+from prefixcache.reports.document import rich_table, write_html, write_markdown
+from prefixcache.reports.record import build_record, load_record, save_record, to_json
+from prefixcache.reports.run_report import document, figures, summary
+from prefixcache.sim.policy import Capacity
+from prefixcache.sim.results import Row, RunResult, totals
 
 
 def _rows(timed: bool = False) -> list[Row]:
@@ -39,7 +43,7 @@ def _rows(timed: bool = False) -> list[Row]:
 
 def test_totals_by_hand():
     rows = _rows(timed=True)
-    t = totals(rows, capacity_blocks=32, block_size=16)
+    t = totals(rows, Capacity(32), 32, 16)
     m = rows[4:]  # warm-up rows excluded
     assert t["requests"] == 36
     assert t["prompt_tokens"] == sum(r.prompt_tokens for r in m)
@@ -56,27 +60,37 @@ def test_totals_by_hand():
 
 
 def test_record_round_trip_and_documents(tmp_path):
-    results = [RunResult(32, 16, tuple(_rows(True))), RunResult(64, 16, tuple(_rows(True)))]
+    results = [
+        RunResult(Capacity(32), 32, 16, tuple(_rows(True))),
+        RunResult(Capacity(64), 64, 16, tuple(_rows(True))),
+    ]
     rec = build_record("replay", "x.yaml", {"model": "tiny"}, results)
     save_record(rec, tmp_path / "r.json")
     back = load_record(tmp_path / "r.json")
-    assert back == json.loads(json.dumps(rec))
-    assert [t["capacity_tokens"] for t in back["totals"]] == [512, 1024]
-    stems = [s for s, _, _ in plots(back)]
+    assert back == rec and to_json(back) == json.loads(json.dumps(to_json(rec)))
+    assert [t["capacity_tokens"] for t in back.totals()] == [512, 1024]
+    stems = [f.stem for f in figures(back)]
     assert stems == ["hit_rate", "tokens_saved", "ttft", "capacity"]
-    html = to_html(back, tmp_path / "r.html").read_text()
+    write_html(document(back), tmp_path / "r.html")
+    html = (tmp_path / "r.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and "TTFT p50" in html
-    files = to_markdown(back, tmp_path / "r.md")
-    assert len(files) == 5 and all(f.exists() for f in files)
+    files = write_markdown(document(back), tmp_path / "r.md")
+    assert len(files) == 5 and all(Path(f).exists() for f in files)
     text = Console(width=200, record=True)
-    text.print(summary_table(back))
+    text.print(rich_table(summary(back)))
     out = text.export_text()
     assert "TTFT speedup" in out and "35/36" in out and "512 tok" in out
 
 
 def test_load_record_rejects_unknown_row_keys(tmp_path):
-    rec = build_record("simulate", "x", {}, [RunResult(8, 16, tuple(_rows()))])
-    rec["runs"][0]["rows"][3]["surprise"] = 1
-    (tmp_path / "r.json").write_text(json.dumps(rec))
-    with pytest.raises(InputError, match="row 3 has unknown key 'surprise'"):
+    raw = to_json(build_record("simulate", "x", {}, [RunResult(Capacity(8), 8, 16, tuple(_rows()))]))
+    cols = raw["runs"][0]["rows"]
+    raw["runs"][0]["rows"] = [dict(zip(cols, values)) for values in zip(*cols.values())]  # version 1: row objects
+    raw["version"] = 1
+    raw["runs"][0]["rows"][3]["surprise"] = 1
+    (tmp_path / "r.json").write_text(json.dumps(raw))
+    with pytest.raises(InputError, match=r"rows\[3\]: unknown key 'surprise'"):
         load_record(tmp_path / "r.json")
+    raw["runs"][0]["rows"][3].pop("surprise")
+    (tmp_path / "r.json").write_text(json.dumps(raw))
+    assert load_record(tmp_path / "r.json").runs[0].rows == tuple(_rows())  # version 1 still loads

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.sim.replay import Capacity, simulate, simulate_requests, simulate_trace, unlimited_blocks
+from prefixcache.sim.policy import Capacity, ReplayPolicy
+from prefixcache.sim.replay import replay, simulate
+from prefixcache.sim.requests import from_scenario, from_trace
 from prefixcache.workload.render import ByteRenderer, Conversations, synthetic_reply
 from prefixcache.workload.scenario import load_scenario
 from prefixcache.workload.trace import load_trace
@@ -21,20 +23,24 @@ SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 @pytest.mark.parametrize(
     "name, blocks, expected",
     [
-        ("mooncake_conversation_trace.jsonl", 1_000, 0.0445),
-        ("mooncake_conversation_trace.jsonl", 10_000, 0.2116),
-        ("mooncake_conversation_trace.jsonl", None, 0.3664),
-        ("mooncake_synthetic_trace.jsonl", None, 0.6396),
-        ("mooncake_synthetic_trace.jsonl", 10_000, 0.4239),
+        ("mooncake_conversation_trace.jsonl.gz", 1_000, 0.0445),
+        ("mooncake_conversation_trace.jsonl.gz", 10_000, 0.2116),
+        ("mooncake_conversation_trace.jsonl.gz", None, 0.3664),
+        ("mooncake_synthetic_trace.jsonl.gz", None, 0.6396),
+        ("mooncake_synthetic_trace.jsonl.gz", 10_000, 0.4239),
     ],
 )
 def test_published_block_hit_rates(traces_dir, name, blocks, expected):
     trace = load_trace(traces_dir / name)
-    nb = blocks or trace.unique_blocks()
-    r = simulate_trace(trace, nb, unlimited=blocks is None)
+    r = replay(from_trace(trace), Capacity(blocks))
     assert round(r.totals()["block_hit_rate"], 4) == expected
     if blocks is None:
         assert r.totals()["evicted_blocks"] == 0
+
+
+def simulate_trace(trace, blocks, warmup=0.0, on_row=None):
+    """One replay of a trace through the shared loop at ``blocks`` blocks."""
+    return replay(from_trace(trace), Capacity(blocks), ReplayPolicy(warmup=warmup), on_row=on_row)
 
 
 # ---- an independent brute-force LRU over hash ids -------------------------------------------------------
@@ -146,14 +152,14 @@ def lcp_reference(scenario, block_size: int) -> list[int]:
 def test_scenario_unlimited_equals_lcp_reference(name):
     sc = load_scenario(SCENARIOS / f"{name}.yaml")
     bs = sc.block_size
-    got = simulate_requests(sc, unlimited_blocks(sc, bs), bs)
+    got = replay(from_scenario(sc, bs), Capacity(None))
     assert [row.cached_tokens for row in got.rows] == lcp_reference(sc, bs)
     assert got.totals()["evicted_blocks"] == 0
 
 
 def test_small_pool_never_beats_unlimited_and_evicts():
     sc = load_scenario(SCENARIOS / "rag.yaml")
-    small, big = simulate(sc, [Capacity(20), Capacity(None)], block_size=16)
+    small, big = simulate(from_scenario(sc, 16), [Capacity(20), Capacity(None)])
     assert small.totals()["cached_tokens"] < big.totals()["cached_tokens"]
     assert small.totals()["evicted_blocks"] > 0
     assert small.totals()["peak_pool_blocks"] <= 20
@@ -197,9 +203,8 @@ def test_interrupt_returns_partial_rows_and_releases_pins():
     assert cache.num_active_requests == 0
     cache.check_integrity()
     results = simulate(
-        load_scenario(SCENARIOS / "chat.yaml"),
+        from_scenario(load_scenario(SCENARIOS / "chat.yaml"), 16),
         [Capacity(10), Capacity(100)],
-        block_size=16,
         on_row=lambda row, c: (_ for _ in ()).throw(KeyboardInterrupt) if row.index == 3 else None,
     )
     assert len(results) == 1 and results[0].partial and len(results[0].rows) == 4

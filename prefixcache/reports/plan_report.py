@@ -5,15 +5,17 @@ matplotlib is imported only when a plot is drawn (Agg backend, no display).
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from rich.table import Table
+from rich.table import Table as RichTable
 
+from prefixcache.reports import format as fmt
+from prefixcache.reports.document import Document, Figure, Section, Table, rich_table
+from prefixcache.reports.output import write_output
+from prefixcache.reports.plots import png
 from prefixcache.sim.plan import Plan
 
 CURVE_LABELS = {"optimal": "optimal bound", "lru": "LRU", "fifo": "FIFO", "lfu": "LFU", "priority": "priority"}
@@ -21,19 +23,6 @@ CURVE_LABELS = {"optimal": "optimal bound", "lru": "LRU", "fifo": "FIFO", "lfu":
 
 def _label(name: str) -> str:
     return CURVE_LABELS.get(name, name)
-
-
-def _tokens(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return str(n)
-
-
-def _gb(x: float | None) -> str:
-    return "-" if x is None else (f"{x:.3g}" if x < 1000 else f"{x:,.0f}")
 
 
 def title(plan: Plan) -> str:
@@ -56,7 +45,7 @@ def settings(plan: Plan) -> list[tuple[str, str]]:
         ("block size", f"{plan.block_size} tokens"),
         (
             "working set",
-            f"{plan.working_set_blocks:,} blocks ({_tokens(plan.working_set_blocks * plan.block_size)} tokens)",
+            f"{plan.working_set_blocks:,} blocks ({fmt.short(plan.working_set_blocks * plan.block_size)} tokens)",
         ),
         ("achievable hit rate", f"{plan.unlimited_rate:.2%} (unlimited capacity)"),
     ]
@@ -82,26 +71,24 @@ def settings(plan: Plan) -> list[tuple[str, str]]:
     return lines
 
 
-# ---- terminal -------------------------------------------------------------------------------------------
-def curve_table(plan: Plan) -> Table:
+# ---- tables ---------------------------------------------------------------------------------------------
+def curve_rows(plan: Plan) -> Table:
     """Hit rate of every curve at the grid capacities."""
-    t = Table(title=f"{title(plan)} - {plan.weight[:-1]}-weighted hit rate", title_justify="left")
-    t.add_column("blocks", justify="right")
-    t.add_column("tokens", justify="right")
-    if plan.model is not None:
-        t.add_column("GB", justify="right")
-    for name in plan.curve_names:
-        t.add_column(_label(name), justify="right")
+    header = ["blocks", "tokens"] + (["GB"] if plan.model is not None else []) + [_label(n) for n in plan.curve_names]
+    rows = []
     for k, c in enumerate(plan.grid):
-        row = [f"{c:,}", _tokens(c * plan.block_size)]
-        if plan.model is not None:
-            row.append(_gb(plan.gb(c)))
-        row += [f"{plan.rates[n][k]:.2%}" for n in plan.curve_names]
-        t.add_row(*row)
-    return t
+        row = [f"{c:,}", fmt.short(c * plan.block_size)] + ([fmt.gb(plan.gb(c))] if plan.model is not None else [])
+        rows.append(row + [f"{plan.rates[n][k]:.2%}" for n in plan.curve_names])
+    return Table(header, rows, f"{plan.weight[:-1].capitalize()}-weighted hit rate by capacity")
 
 
-def answer_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
+def curve_table(plan: Plan) -> RichTable:
+    """The curve table for the terminal."""
+    t = curve_rows(plan)
+    return rich_table(Table(t.header, t.rows, f"{title(plan)} - {plan.weight[:-1]}-weighted hit rate"))
+
+
+def answer_rows(plan: Plan) -> Table:
     """Header and rows: capacity needed for each fraction of the achievable hit rate, per curve."""
     header = ["curve", "share of achievable", "hit rate", "blocks", "tokens"]
     if plan.model is not None:
@@ -114,30 +101,26 @@ def answer_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
             f"{a.fraction:.0%}",
             f"{a.target_rate:.2%}",
             "not reached" if a.capacity_blocks is None else f"{approx}{a.capacity_blocks:,}",
-            "-" if a.capacity_tokens is None else f"{approx}{_tokens(a.capacity_tokens)}",
+            "-" if a.capacity_tokens is None else f"{approx}{fmt.short(a.capacity_tokens)}",
         ]
         if plan.model is not None:
-            row.append("-" if a.gb is None else f"{approx}{_gb(a.gb)}")
+            row.append("-" if a.gb is None else f"{approx}{fmt.gb(a.gb)}")
         rows.append(row)
-    return header, rows
+    return Table(header, rows, "Capacity for a share of the achievable hit rate")
 
 
-def answer_table(plan: Plan) -> Table:
-    header, rows = answer_rows(plan)
-    t = Table(
-        title=f"Capacity for a share of the achievable hit rate ({plan.unlimited_rate:.2%}); "
-        "'<=' = first grid point reaching it",
-        title_justify="left",
+def answer_table(plan: Plan) -> RichTable:
+    """The answers for the terminal."""
+    t = answer_rows(plan)
+    title_ = (
+        f"Capacity for a share of the achievable hit rate ({plan.unlimited_rate:.2%}); "
+        "'<=' = first grid point reaching it"
     )
-    for h in header:
-        t.add_column(h, justify="left" if h == "curve" else "right")
-    for r in rows:
-        t.add_row(*r)
-    return t
+    return rich_table(Table(t.header, t.rows, title_))
 
 
 # ---- JSON -----------------------------------------------------------------------------------------------
-def to_dict(plan: Plan, full_curve_points: int = 512) -> dict:
+def to_dict(plan: Plan, full_curve_points: int = 512) -> dict[str, Any]:
     """A JSON-ready dict: settings, grid rates, answers, and the LRU curve at ``full_curve_points`` log points."""
     W = max(1, plan.working_set_blocks)
     caps = np.unique(np.round(np.geomspace(1, W, num=min(W, full_curve_points))).astype(np.int64))
@@ -184,22 +167,19 @@ def to_dict(plan: Plan, full_curve_points: int = 512) -> dict:
     }
 
 
-def write_json(plan: Plan, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_dict(plan), indent=1), encoding="utf-8")
-    return path
+def write_json(plan: Plan, path: str | Path) -> str:
+    """Write the plan as JSON ("-": standard output). Returns where it went."""
+    return write_output(path, json.dumps(to_dict(plan), indent=1) + "\n")
 
 
 # ---- plot -----------------------------------------------------------------------------------------------
 def plot_png(plan: Plan) -> bytes:
     """The curves against capacity (log x, blocks below and GB or tokens above) as PNG bytes."""
-    import matplotlib
+    import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from prefixcache.reports.plots import new_figure
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    fig, ax = new_figure(8, 4.5, 110)
     W = max(1, plan.working_set_blocks)
     caps = np.unique(np.round(np.geomspace(1, W, num=min(W, 2000))).astype(np.int64))
     ax.plot(caps, plan.lru.rates(plan.weight)[caps - 1], label="LRU (every capacity)", color="C0", lw=1.8)
@@ -225,81 +205,22 @@ def plot_png(plan: Plan) -> bytes:
         sec.set_xlabel("tokens")
     ax.set_title(title(plan), fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig)
 
 
-# ---- Markdown and HTML ----------------------------------------------------------------------------------
-def _curve_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
-    header = ["blocks", "tokens"] + (["GB"] if plan.model is not None else []) + [_label(n) for n in plan.curve_names]
-    rows = []
-    for k, c in enumerate(plan.grid):
-        row = [f"{c:,}", _tokens(c * plan.block_size)] + ([_gb(plan.gb(c))] if plan.model is not None else [])
-        rows.append(row + [f"{plan.rates[n][k]:.2%}" for n in plan.curve_names])
-    return header, rows
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|"]
-    return out + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def to_markdown(plan: Plan, path: str | Path) -> list[Path]:
-    """Write ``path`` (Markdown) and the plot beside it (same stem, .png). Returns both paths."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    png = path.with_suffix(".png")
-    png.write_bytes(plot_png(plan))
-    lines = [f"# {title(plan)}", "", f"![hit rate against capacity]({png.name})", ""]
-    lines += [f"- **{k}**: {v}" for k, v in settings(plan)] + [""]
-    lines += ["## Capacity for a share of the achievable hit rate", ""]
-    lines += _md_table(*answer_rows(plan)) + [
-        "",
-        "'<=': the first grid capacity that reaches it (replayed policies).",
-        "",
-    ]
-    lines += [f"## {plan.weight[:-1].capitalize()}-weighted hit rate by capacity", ""] + _md_table(*_curve_rows(plan))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path, png]
-
-
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:62em;color:#222}
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.3em .7em}
-td:not(:first-child){text-align:right}th{background:#f3f3f3}img{max-width:100%}"""
-
-
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    e = html.escape
-    return (
-        "<table><tr>"
-        + "".join(f"<th>{e(h)}</th>" for h in header)
-        + "</tr>"
-        + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows)
-        + "</table>"
+# ---- document -------------------------------------------------------------------------------------------
+def document(plan: Plan) -> Document:
+    """The plan as a Document (rendered to HTML or Markdown by prefixcache.reports.document)."""
+    doc = Document(title(plan))
+    doc.sections.append(Section("", [Figure("plot", "hit rate against capacity", plot_png(plan))]))
+    doc.sections.append(Section("Settings", [Table(["setting", "value"], [list(kv) for kv in settings(plan)])]))
+    answers = answer_rows(plan)
+    doc.sections.append(
+        Section(
+            answers.title,
+            [Table(answers.header, answers.rows), "'<=': the first grid capacity that reaches it (replayed policies)."],
+        )
     )
-
-
-def to_html(plan: Plan, path: str | Path) -> Path:
-    """Write one self-contained HTML page (the plot embedded as base64 PNG)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    e = html.escape
-    img = base64.b64encode(plot_png(plan)).decode("ascii")
-    parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title(plan))}</title>",
-        f"<style>{_CSS}</style></head><body><h1>{e(title(plan))}</h1>",
-        f"<img alt='hit rate against capacity' src='data:image/png;base64,{img}'>",
-        "<h2>Settings</h2>",
-        _html_table(["", ""], [list(kv) for kv in settings(plan)]),
-        "<h2>Capacity for a share of the achievable hit rate</h2>",
-        _html_table(*answer_rows(plan)),
-        "<p>'&lt;=': the first grid capacity that reaches it (replayed policies).</p>",
-        f"<h2>{e(plan.weight[:-1].capitalize())}-weighted hit rate by capacity</h2>",
-        _html_table(*_curve_rows(plan)),
-        "</body></html>",
-    ]
-    path.write_text("\n".join(parts), encoding="utf-8")
-    return path
+    curves = curve_rows(plan)
+    doc.sections.append(Section(curves.title, [Table(curves.header, curves.rows)]))
+    return doc

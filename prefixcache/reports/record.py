@@ -1,191 +1,259 @@
-"""The run record: what ``simulate`` and ``replay`` measured, as versioned JSON that ``report`` renders.
+"""The run record: what ``simulate`` and ``replay`` measured, as a typed value and as versioned JSON.
 
-Layout (``"version": 1``)::
+JSON layout, version 2 (``report`` renders it; version 1 files, whose rows were a list of objects, still load)::
 
-    {"version": 1, "command": "simulate"|"replay", "partial": bool, "created": ISO time, "source": path,
-     "settings": {...},                      # what the run was asked to do
-     "totals": [ {capacity_tokens, capacity_blocks, block_size, requests, prompt_tokens, cached_tokens,
-                  token_hit_rate, block_hit_rate, ...}, ... ],   # one per capacity (a sweep has several)
-     "runs": [ {"capacity_tokens", "capacity_blocks", "block_size", "rows": [Row, ...]}, ... ]}
+    {"version": 2, "command": "simulate"|"replay", "partial": bool, "created": ISO time, "source": path,
+     "settings": {...},                                  # what the run was asked to do
+     "totals": [ {capacity_tokens, capacity_blocks, pool_blocks, block_size, requests, prompt_tokens,
+                  cached_tokens, token_hit_rate, block_hit_rate, ...}, ... ],   # one per capacity
+     "runs": [ {"capacity_tokens", "capacity_blocks", "pool_blocks", "block_size", "partial",
+                "rows": {"index": [...], "namespace": [...], ...}}, ... ]}   # rows column by column
 
-A row is one request (see :class:`Row`); times are seconds, None when not measured.
+A row is one request (``prefixcache.sim.results.Row``); times are seconds, null when not measured;
+``capacity_*`` are null for an unlimited capacity. ``totals`` are derived from the rows (they are written
+for other readers and recomputed on load).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefixcache.core.errors import InputError
+from prefixcache.reports.output import write_output
+from prefixcache.sim.policy import Capacity
+from prefixcache.sim.results import ROW_FIELDS, Row, RunResult
 
-VERSION = 1
-
-
-@dataclass(frozen=True)
-class Row:
-    """One request's outcome at one capacity."""
-
-    index: int
-    namespace: str
-    prompt_tokens: int
-    cached_tokens: int
-    blocks: int  # blocks looked up (hash ids of a trace; ceil(prompt / block_size) for token prompts)
-    hit_blocks: int
-    inserted_blocks: int
-    evicted_blocks: int  # evicted while serving this request
-    pool_used_blocks: int  # cached blocks in the pool after this request's commit
-    warmup: bool = False  # True: served to warm the cache, left out of the totals
-    timestamp: float | None = None
-    output_tokens: int | None = None
-    ttft_cached_s: float | None = None
-    total_cached_s: float | None = None
-    ttft_uncached_s: float | None = None
-    total_uncached_s: float | None = None
-    outputs_match: bool | None = None
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
-ROW_FIELDS = tuple(f.name for f in fields(Row))
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True)
-class RunResult:
-    """The rows of one replay at one capacity; ``partial`` when it was stopped early."""
+class RunRecord:
+    """One command's results: a run per capacity, plus what the command was asked to do."""
 
-    capacity_blocks: int
-    block_size: int
-    rows: tuple[Row, ...]
+    command: str
+    source: str
+    settings: dict[str, Any]
+    runs: tuple[RunResult, ...]
     partial: bool = False
-    unlimited: bool = False
+    created: str = field(default_factory=_now)
+
+    def totals(self) -> list[dict[str, Any]]:
+        """Each run's totals (see ``prefixcache.sim.results.totals``)."""
+        return [r.totals() for r in self.runs]
 
     @property
-    def capacity_tokens(self) -> int:
-        return self.capacity_blocks * self.block_size
-
-    def totals(self) -> dict:
-        return totals(self.rows, self.capacity_blocks, self.block_size, self.unlimited)
+    def block_size(self) -> int | None:
+        return self.runs[0].block_size if self.runs else None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100.0  # linear interpolation, like numpy's default
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+def build_record(
+    command: str, source: str, settings: dict[str, Any], results: list[RunResult], *, partial: bool = False
+) -> RunRecord:
+    """The record of one command; ``partial`` also when any run was interrupted."""
+    return RunRecord(command, source, settings, tuple(results), bool(partial or any(r.partial for r in results)))
 
 
-def totals(rows: Iterable[Row], capacity_blocks: int, block_size: int, unlimited: bool = False) -> dict:
-    """Sums and rates over the measured (non-warm-up) rows."""
-    rows = [r for r in rows if not r.warmup]
-    prompt = sum(r.prompt_tokens for r in rows)
-    cached = sum(r.cached_tokens for r in rows)
-    blocks = sum(r.blocks for r in rows)
-    hit_blocks = sum(r.hit_blocks for r in rows)
-    with_hit = sum(1 for r in rows if r.hit_blocks > 0)
-    peak = max((r.pool_used_blocks for r in rows), default=0)
-    t: dict[str, Any] = {
-        "capacity_tokens": None if unlimited else capacity_blocks * block_size,
-        "capacity_blocks": None if unlimited else capacity_blocks,
-        "pool_blocks": capacity_blocks,
-        "block_size": block_size,
-        "requests": len(rows),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "token_hit_rate": cached / prompt if prompt else 0.0,
-        "blocks": blocks,
-        "hit_blocks": hit_blocks,
-        "block_hit_rate": hit_blocks / blocks if blocks else 0.0,
-        "requests_with_hit": with_hit,
-        "hit_request_share": with_hit / len(rows) if rows else 0.0,
-        "prefill_tokens_saved": cached,
-        "inserted_blocks": sum(r.inserted_blocks for r in rows),
-        "evicted_blocks": sum(r.evicted_blocks for r in rows),
-        "peak_pool_blocks": peak,
-        "peak_pool_occupancy": peak / capacity_blocks if capacity_blocks else 0.0,
-    }
-    ttft_c = [r.ttft_cached_s for r in rows if r.ttft_cached_s is not None]
-    ttft_u = [r.ttft_uncached_s for r in rows if r.ttft_uncached_s is not None]
-    if ttft_c or ttft_u:
-        for name, vals in (("cached", ttft_c), ("uncached", ttft_u)):
-            for q in (50, 90, 99):
-                t[f"ttft_{name}_p{q}_s"] = _percentile(vals, q)
-        for name, key in (("cached", "total_cached_s"), ("uncached", "total_uncached_s")):
-            vals = [getattr(r, key) for r in rows if getattr(r, key) is not None]
-            t[f"time_{name}_s"] = sum(vals) if vals else None
-        c50, u50 = t["ttft_cached_p50_s"], t["ttft_uncached_p50_s"]
-        t["ttft_speedup_p50"] = u50 / c50 if c50 and u50 else None
-        checked = [r.outputs_match for r in rows if r.outputs_match is not None]
-        t["outputs_checked"] = len(checked)
-        t["outputs_mismatched"] = sum(1 for ok in checked if not ok)
-    return t
-
-
-def build_record(command: str, source: str, settings: dict, results: list[RunResult], *, partial: bool = False) -> dict:
-    """The JSON-ready run record of one command."""
-    return {
-        "version": VERSION,
-        "command": command,
-        "partial": bool(partial or any(r.partial for r in results)),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": source,
-        "settings": settings,
-        "totals": [r.totals() for r in results],
-        "runs": [
+def to_json(record: RunRecord) -> dict[str, Any]:
+    """The record as a JSON-ready dict (layout in the module docstring)."""
+    runs = []
+    for r in record.runs:
+        columns = list(zip(*r.rows)) if r.rows else [() for _ in ROW_FIELDS]
+        runs.append(
             {
-                "capacity_tokens": None if r.unlimited else r.capacity_tokens,
-                "capacity_blocks": None if r.unlimited else r.capacity_blocks,
-                "pool_blocks": r.capacity_blocks,
+                "capacity_tokens": r.capacity_tokens,
+                "capacity_blocks": r.capacity.blocks,
+                "pool_blocks": r.pool_blocks,
                 "block_size": r.block_size,
                 "partial": r.partial,
-                "rows": [asdict(row) for row in r.rows],
+                "rows": {name: list(col) for name, col in zip(ROW_FIELDS, columns)},
             }
-            for r in results
-        ],
+        )
+    return {
+        "version": VERSION,
+        "command": record.command,
+        "partial": record.partial,
+        "created": record.created,
+        "source": record.source,
+        "settings": record.settings,
+        "totals": record.totals(),
+        "runs": runs,
     }
 
 
-def save_record(record: dict, path: str | Path) -> None:
-    """Write the record as JSON (creates parent folders). Changes the file at ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    big = sum(len(r.get("rows", ())) for r in record.get("runs", ())) > 5_000
-    text = json.dumps(record, separators=(",", ":")) if big else json.dumps(record, indent=1)  # big: compact
-    tmp.write_text(text + "\n", encoding="utf-8")
-    tmp.replace(path)
+def save_record(record: RunRecord, path: str | Path) -> str:
+    """Write the record as JSON ("-": standard output). Changes the file at ``path``; returns where it went."""
+    return write_output(path, json.dumps(to_json(record), separators=(",", ":")) + "\n")
 
 
-def load_record(path: str | Path) -> dict:
-    """Read and check a run record. Raises InputError naming the file (and line for bad JSON)."""
+# ---- reading ---------------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", _is_int),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "num": ("a number", _is_num),
+}
+# field -> (kind, may be null)
+_ROW_SPEC: dict[str, tuple[str, bool]] = {
+    "index": ("int", False),
+    "namespace": ("str", False),
+    "prompt_tokens": ("int", False),
+    "cached_tokens": ("int", False),
+    "blocks": ("int", False),
+    "hit_blocks": ("int", False),
+    "inserted_blocks": ("int", False),
+    "evicted_blocks": ("int", False),
+    "pool_used_blocks": ("int", False),
+    "warmup": ("bool", False),
+    "timestamp": ("num", True),
+    "output_tokens": ("int", True),
+    "ttft_cached_s": ("num", True),
+    "total_cached_s": ("num", True),
+    "ttft_uncached_s": ("num", True),
+    "total_uncached_s": ("num", True),
+    "outputs_match": ("bool", True),
+}
+_ROW_DEFAULTS = Row._field_defaults
+assert set(_ROW_SPEC) == set(ROW_FIELDS)
+
+
+class _Reader:
+    """Checks a decoded record field by field; errors name the file and the field path (e.g. runs[0].rows)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, message: str) -> InputError:
+        return InputError(f"{where}: {message}", self.path)
+
+    def get(self, d: dict[str, Any], key: str, where: str, kind: str, nullable: bool = False) -> Any:
+        if key not in d:
+            raise self.fail(where, f"missing field {key!r}")
+        v = d[key]
+        what, ok = _KINDS[kind]
+        if not (ok(v) or (nullable and v is None)):
+            raise self.fail(f"{where}.{key}", f"expected {what}{' or null' if nullable else ''}, got {v!r:.60}")
+        return v
+
+    def rows(self, raw: Any, where: str, version: int) -> tuple[Row, ...]:
+        if version == 1:  # a list of row objects
+            if not isinstance(raw, list):
+                raise self.fail(where, f"expected a list of rows, got {type(raw).__name__}")
+            cols: dict[str, list[Any]] = {}
+            for i, row in enumerate(raw):
+                if not isinstance(row, dict):
+                    raise self.fail(f"{where}[{i}]", f"expected an object, got {type(row).__name__}")
+                unknown = set(row) - set(ROW_FIELDS)
+                if unknown:
+                    raise self.fail(f"{where}[{i}]", f"unknown key {sorted(unknown)[0]!r}")
+            for name in ROW_FIELDS:
+                cols[name] = [r.get(name, _ROW_DEFAULTS.get(name, _MISSING)) for r in raw]
+            raw = cols
+        if not isinstance(raw, dict):
+            raise self.fail(where, f"expected an object of columns, got {type(raw).__name__}")
+        unknown = set(raw) - set(ROW_FIELDS)
+        if unknown:
+            raise self.fail(where, f"unknown column {sorted(unknown)[0]!r}")
+        n: int | None = None
+        columns = []
+        for name in ROW_FIELDS:
+            col = raw.get(name)
+            if col is None and name in _ROW_DEFAULTS:
+                col = [_ROW_DEFAULTS[name]] * (n or 0) if n is not None else None
+            if not isinstance(col, list):
+                raise self.fail(f"{where}.{name}", "missing or not a list")
+            if n is None:
+                n = len(col)
+            elif len(col) != n:
+                raise self.fail(f"{where}.{name}", f"has {len(col)} values, the other columns {n}")
+            kind, nullable = _ROW_SPEC[name]
+            what, ok = _KINDS[kind]
+            for i, v in enumerate(col):
+                if not (ok(v) or (nullable and v is None)):
+                    shown = "missing" if v is _MISSING else repr(v)[:60]
+                    raise self.fail(
+                        f"{where}.{name}[{i}]", f"expected {what}{' or null' if nullable else ''}, got {shown}"
+                    )
+            columns.append(col)
+        return tuple(Row(*values) for values in zip(*columns))
+
+    def run(self, raw: Any, where: str, version: int) -> RunResult:
+        if not isinstance(raw, dict):
+            raise self.fail(where, f"expected an object, got {type(raw).__name__}")
+        blocks = self.get(raw, "capacity_blocks", where, "int", nullable=True)
+        if blocks is not None and blocks < 1:
+            raise self.fail(f"{where}.capacity_blocks", f"must be >= 1, got {blocks}")
+        bs = self.get(raw, "block_size", where, "int")
+        if bs < 1:
+            raise self.fail(f"{where}.block_size", f"must be >= 1, got {bs}")
+        pool = self.get(raw, "pool_blocks", where, "int") if "pool_blocks" in raw or blocks is None else blocks
+        partial = bool(raw.get("partial", False))
+        rows = self.rows(raw.get("rows"), f"{where}.rows", version)
+        return RunResult(Capacity(blocks), pool, bs, rows, partial)
+
+    def record(self, raw: Any) -> RunRecord:
+        if not isinstance(raw, dict) or "version" not in raw:
+            raise InputError("not a prefixcache run record (no 'version')", self.path)
+        if raw["version"] not in READABLE_VERSIONS:
+            raise InputError(
+                f"run record version {raw['version']!r} is not supported (this reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))})",
+                self.path,
+            )
+        version = raw["version"]
+        command = self.get(raw, "command", "record", "str")
+        settings = raw.get("settings")
+        if not isinstance(settings, dict):
+            raise self.fail("record.settings", f"expected an object, got {type(settings).__name__}")
+        for key in ("totals", "runs"):
+            if not isinstance(raw.get(key), list):
+                raise self.fail(f"record.{key}", f"expected a list, got {type(raw.get(key)).__name__}")
+        for k, t in enumerate(raw["totals"]):
+            if not isinstance(t, dict):
+                raise self.fail(f"totals[{k}]", f"expected an object, got {type(t).__name__}")
+        runs = tuple(self.run(r, f"runs[{k}]", version) for k, r in enumerate(raw["runs"]))
+        source = raw.get("source")
+        return RunRecord(
+            command,
+            "" if source is None else str(source),
+            settings,
+            runs,
+            bool(raw.get("partial", False)),
+            str(raw.get("created", "?")),
+        )
+
+
+_MISSING: Any = object()
+
+
+def load_record(path: str | Path) -> RunRecord:
+    """Read and check a run record. Raises InputError naming the file and the field (or line, for bad JSON)."""
     path = Path(path)
     if not path.is_file():
         raise InputError("no such run record", path)
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise InputError(f"not valid JSON ({exc.msg}, column {exc.colno})", path, exc.lineno) from None
+    except RecursionError:
+        raise InputError("not a run record (JSON nested too deeply)", path) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read: {exc}", path) from None
-    if not isinstance(record, dict) or "version" not in record:
-        raise InputError("not a prefixcache run record (no 'version')", path)
-    if record["version"] != VERSION:
-        raise InputError(f"run record version {record['version']!r} is not supported (this is version {VERSION})", path)
-    for key in ("command", "settings", "totals", "runs"):
-        if key not in record:
-            raise InputError(f"run record lacks {key!r}", path)
-    for run in record["runs"]:
-        for i, row in enumerate(run.get("rows", [])):
-            unknown = set(row) - set(ROW_FIELDS)
-            if unknown:
-                raise InputError(f"row {i} has unknown key {sorted(unknown)[0]!r}", path)
-    return record
-
-
-def rows_of(run: dict) -> list[Row]:
-    """A saved run's rows as Row values."""
-    return [Row(**row) for row in run["rows"]]
+    return _Reader(path).record(raw)

@@ -2,11 +2,11 @@
 
 ``make_plan(trace, ...)`` computes a :class:`Plan`:
 
-* LRU at EVERY capacity from 1 block to the working set, in one pass (``curves.lru_curve``);
-* the optimal bound on a log grid of capacities (``curves.optimal_hits``), and bisected exactly for the
+* LRU at EVERY capacity from 1 block to the working set, in one pass (``lru_curve``);
+* the optimal bound on a log grid of capacities (``optimal_hits``), and bisected exactly for the
   answers;
 * every other policy (FIFO, LFU, priority, ...) by replaying the trace through a real ``PrefixCache`` once
-  per grid capacity;
+  per grid capacity (the one replay loop, ``prefixcache.sim.replay``, with the same ``ReplayPolicy``);
 * answers: the capacity (blocks, tokens and, given a model, GB) that reaches 50/70/90% of the achievable
   hit rate (the unlimited-capacity one).
 
@@ -23,72 +23,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixcache.core.cache import PrefixCache
-from prefixcache.core.config import CacheConfig
-from prefixcache.core.eviction import POLICIES
-from prefixcache.sim.curves import (
-    WEIGHTS,
-    HitCurve,
-    NodeTrace,
-    canonical_blocks,
-    log_grid,
-    lru_curve,
-    measured_from,
-    next_uses,
-    optimal_hits,
-    ordered,
-)
+from prefixcache.core import POLICIES
 from prefixcache.sim.kv_size import KVShape
+from prefixcache.sim.lru_curve import WEIGHTS, HitCurve, lru_curve
+from prefixcache.sim.node_trace import NodeTrace, canonical_blocks
+from prefixcache.sim.optimal import next_uses, optimal_hits
+from prefixcache.sim.policy import Capacity, ReplayPolicy
+from prefixcache.sim.replay import replay
+from prefixcache.sim.requests import CacheRequests, from_trace
+from prefixcache.workload.order import ordered
+from prefixcache.workload.trace import Trace
 
 FRACTIONS = (0.5, 0.7, 0.9)
-TIMESTAMP_UNIT_S = 1e-3  # trace timestamps are milliseconds (Mooncake, kv-tester)
 
 
-@dataclass(frozen=True)
-class Replay:
-    """Measured hits of one replay through a real PrefixCache."""
-
-    policy: str
-    capacity: int
-    hit_blocks: int
-    hit_tokens: int
-    total_blocks: int
-    total_tokens: int
-
-    def rate(self, weight: str) -> float:
-        hit, total = (
-            (self.hit_blocks, self.total_blocks) if weight == "blocks" else (self.hit_tokens, self.total_tokens)
-        )
-        return hit / total if total else 0.0
+def replay_rate(reqs: CacheRequests, capacity: int, policy: ReplayPolicy, weight: str) -> float:
+    """The measured hit rate (``weight``: "tokens" or "blocks") of one replay at ``capacity`` blocks."""
+    t = replay(reqs, Capacity(capacity), policy).totals()
+    return float(t["token_hit_rate"] if weight == "tokens" else t["block_hit_rate"])
 
 
-def replay(trace, policy: str, capacity: int, warmup: float = 0.0, keep_for: float | None = None) -> Replay:
-    """Replay ``trace`` (in its own order) through ``PrefixCache(capacity blocks, policy)``. Changes nothing.
-
-    Each request: match_keys(hash_ids, namespace, num_tokens=input_length), commit_keys (with ``keep_for``
-    seconds of retention when given), release. The cache's clock is the request's timestamp (ms -> s).
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}")
-    now = [0.0]
-    cache = PrefixCache(
-        CacheConfig(num_blocks=capacity, block_size=trace.block_size, eviction=policy), clock=lambda: now[0]
-    )
-    start = measured_from(len(trace), warmup)
-    hb = ht = tb = tt = 0
-    ids, offsets = trace.ids, trace.offsets.tolist()
-    lengths, stamps, namespaces = trace.input_length.tolist(), trace.timestamp.tolist(), trace.namespace
-    for i in range(len(lengths)):
-        now[0] = stamps[i] * TIMESTAMP_UNIT_S
-        m = cache.match_keys(ids[offsets[i] : offsets[i + 1]].tolist(), namespaces[i], num_tokens=lengths[i])
-        if i >= start:
-            hb += m.cached_blocks
-            ht += m.cached_tokens
-            tb += offsets[i + 1] - offsets[i]
-            tt += lengths[i]
-        cache.commit_keys(m.handle, keep_for=keep_for)
-        cache.release(m.handle)
-    return Replay(policy, capacity, hb, ht, tb, tt)
+def log_grid(max_capacity: int, points: int = 24, min_capacity: int = 1) -> list[int]:
+    """About ``points`` log-spaced capacities from ``min_capacity`` to ``max_capacity`` (both included)."""
+    if max_capacity < 1:
+        return [1]
+    lo = max(1, min(min_capacity, max_capacity))
+    grid = np.unique(np.round(np.geomspace(lo, max_capacity, num=max(2, points))).astype(np.int64))
+    return [int(c) for c in grid]
 
 
 @dataclass(frozen=True)
@@ -144,7 +105,7 @@ def _rate_of(hits: int, weight: str, curve: HitCurve) -> float:
 
 
 def make_plan(
-    trace,
+    trace: Trace,
     *,
     policies: Sequence[str] = ("lru",),
     weight: str = "tokens",
@@ -172,6 +133,7 @@ def make_plan(
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     tr = ordered(trace, order)
+    reqs = from_trace(tr)
     nt: NodeTrace = canonical_blocks(tr)
     curve = lru_curve(nt, warmup)
     seconds["lru_curve"] = time.perf_counter() - t0
@@ -208,10 +170,9 @@ def make_plan(
         if p == "lru":
             continue
         t = time.perf_counter()
-        row = []
         say(f"replaying {p} at {len(grid)} capacities ({tr.num_blocks:,} block references each)")
-        for c in grid:
-            row.append(replay(tr, p, c, warmup, keep_for).rate(weight))
+        pol = ReplayPolicy(p, keep_for, warmup)
+        row = [replay_rate(reqs, c, pol, weight) for c in grid]
         rates[p] = tuple(row)
         seconds[f"replay_{p}"] = time.perf_counter() - t
         for frac in fractions:

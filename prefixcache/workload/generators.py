@@ -72,7 +72,7 @@ def chat(
     for u in range(users):
         reqs = []
         for t in range(turns):
-            msgs = (Message("user", _text(rng, user_tokens, f"U{u}T{t}: ")),)
+            msgs: tuple[Message, ...] = (Message("user", _text(rng, user_tokens, f"U{u}T{t}: ")),)
             if t == 0:
                 msgs = (Message("system", system), *msgs)
             reqs.append(

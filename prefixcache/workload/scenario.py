@@ -178,7 +178,7 @@ def load_scenario(path: str | Path) -> Scenario:
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise ctx.fail("model must be a string (preset name or path)", ctx.line_of(doc, "model"))
-    common = dict(
+    common: dict[str, Any] = dict(
         name=str(doc.get("name", path.stem)),
         path=str(path),
         description=str(doc.get("description", "")),

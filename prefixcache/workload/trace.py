@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import overload
+from typing import IO, Any, overload
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class Trace(Sequence[TraceRequest]):
     def __getitem__(self, i: int) -> TraceRequest: ...
     @overload
     def __getitem__(self, i: slice) -> Trace: ...
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i: int | slice) -> TraceRequest | Trace:
         if isinstance(i, slice):
             return self.take(np.arange(len(self))[i])
         if i < 0:
@@ -140,13 +140,13 @@ def is_trace_path(path: str | Path) -> bool:
     return name.endswith(TRACE_SUFFIXES)
 
 
-def _open_text(path: Path):
+def _open_text(path: Path) -> IO[str]:
     if path.suffix == ".gz":
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
 
 
-def _int_field(d: dict, key: str, path: Path, line: int, *, required: bool, minimum: int = 0) -> int:
+def _int_field(d: dict[str, Any], key: str, path: Path, line: int, *, required: bool, minimum: int = 0) -> int:
     if key not in d:
         if required:
             raise InputError(f"missing field {key!r}", path, line)
@@ -249,4 +249,31 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
         np.array(timestamp, np.float64),
         namespace,
         np.array(lines, np.int64),
+    )
+
+
+def trace_from_lists(
+    hash_ids: Sequence[Sequence[int]],
+    *,
+    block_size: int = 16,
+    input_length: Sequence[int] | None = None,
+    timestamp: Sequence[float] | None = None,
+    namespace: Sequence[str] | None = None,
+    path: str = "<memory>",
+) -> Trace:
+    """A Trace built in code (tests, notebooks). ``input_length`` defaults to
+    ``len(hash_ids[i]) * block_size``, ``timestamp`` to the request index (ms), ``namespace`` to "default"."""
+
+    n = len(hash_ids)
+    lens = [len(h) for h in hash_ids]
+    if any(k == 0 for k in lens):
+        raise ValueError("every request needs at least one hash id")
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    ids = np.array([x for h in hash_ids for x in h], dtype=np.int64)
+    il = np.array(input_length if input_length is not None else [k * block_size for k in lens], dtype=np.int64)
+    ts = np.array(timestamp if timestamp is not None else range(n), dtype=np.float64)
+    ns = list(namespace) if namespace is not None else [DEFAULT_NAMESPACE] * n
+    return Trace(
+        path, block_size, ids, offsets, il, np.zeros(n, dtype=np.int64), ts, ns, np.arange(1, n + 1, dtype=np.int64)
     )

@@ -14,9 +14,9 @@ class LineLoader(yaml.SafeLoader):
     """SafeLoader whose mappings remember their line (``LineMap.line``) and each key's line."""
 
 
-class LineMap(dict):
+class LineMap(dict[Any, Any]):
     line: int = 0
-    key_lines: dict
+    key_lines: dict[Any, int]
 
 
 def _construct_map(loader: LineLoader, node: yaml.MappingNode) -> LineMap:
@@ -58,8 +58,9 @@ class YamlContext:
 
     def line_of(self, m: Any, key: str | None = None) -> int | None:
         if key is not None and hasattr(m, "key_lines") and key in m.key_lines:
-            return m.key_lines[key]
-        return getattr(m, "line", None)
+            return int(m.key_lines[key])
+        line = getattr(m, "line", None)
+        return None if line is None else int(line)
 
 
 def pos_int(ctx: YamlContext, v: Any, what: str, line: int | None, minimum: int = 1) -> int:

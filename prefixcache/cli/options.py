@@ -1,0 +1,129 @@
+"""Option declarations shared by several commands (defined once), and the checks that turn them into values.
+
+Each ``*Opt`` is an ``Annotated`` type a command uses as its parameter annotation; the functions below raise
+UsageError (one line, exit 2) for a bad value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prefixcache.cli.app import UsageError
+from prefixcache.core import POLICIES
+from prefixcache.reports.output import check_output
+from prefixcache.sim.policy import DEFAULT_BLOCK_SIZE, Capacity, ReplayPolicy
+from prefixcache.workload.order import ORDERS, ordered
+from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
+from prefixcache.workload.trace import is_trace_path, load_trace
+
+CapacityOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--capacity", "-c", help="Cache capacity in tokens (e.g. 4096, 64k, 1M, or 'unlimited'); repeat for a sweep."
+    ),
+]
+CapacityBlocksOpt = Annotated[
+    list[int] | None, typer.Option("--capacity-blocks", help="Cache capacity in blocks; repeatable.")
+]
+BlockSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--block-size",
+        help="Tokens per block (default: the scenario's, else 16; a trace: its own, Mooncake 512, kv-tester 64).",
+    ),
+]
+EvictionOpt = Annotated[str, typer.Option("--eviction", help=f"Eviction policy: {', '.join(sorted(POLICIES))}.")]
+KeepForOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--keep-for",
+        help="Seconds (trace time) each request asks the cache to keep its prefix; honoured by --eviction priority.",
+    ),
+]
+WarmupOpt = Annotated[
+    float, typer.Option("--warmup", help="Leading fraction of the requests that only warms the cache (not measured).")
+]
+OrderOpt = Annotated[str, typer.Option("--order", help="Request order: 'file', or 'timestamp' (a stable sort).")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the results as JSON to this file ('-': stdout).")]
+HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report ('-': stdout).")]
+MarkdownOpt = Annotated[
+    Path | None, typer.Option("--markdown", help="Write a Markdown report (plots as PNG files beside it).")
+]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
+
+
+def replay_policy(eviction: str, keep_for: float | None, warmup: float) -> ReplayPolicy:
+    """The policy options as a ReplayPolicy; UsageError names the bad option."""
+    if eviction not in POLICIES:
+        raise UsageError(f"--eviction: unknown policy {eviction!r}; known: {', '.join(sorted(POLICIES))}")
+    try:
+        return ReplayPolicy(eviction, keep_for, warmup)
+    except ValueError as exc:
+        option = "--keep-for" if "keep_for" in str(exc) else "--warmup"
+        raise UsageError(f"{option}: {exc}") from None
+
+
+def check_block_size(block_size: int | None) -> None:
+    if block_size is not None and block_size <= 0:
+        raise UsageError(f"--block-size must be > 0, got {block_size}")
+
+
+def check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise UsageError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
+
+
+def check_outputs(json_out: Path | None, html: Path | None, markdown: Path | None) -> None:
+    """Refuse unwritable output paths before any work (InputError names the path)."""
+    for path in (json_out, html):
+        if path is not None:
+            check_output(path)
+    if markdown is not None:
+        check_output(markdown, allow_stdout=False)
+
+
+def load_workload(path: Path, block_size: int | None, order: str) -> Scenario:
+    """A scenario YAML, or a trace file wrapped in a Scenario, in ``order``."""
+    check_order(order)
+    if is_trace_path(path):
+        trace = load_trace(path, block_size)
+        scenario = Scenario(name=path.name, path=str(path), trace=trace, block_size=trace.block_size)
+    else:
+        scenario = load_scenario(path)
+        if scenario.trace is not None and block_size is not None and block_size != scenario.trace.block_size:
+            trace = load_trace(scenario.trace.path, block_size)
+            scenario = replace(scenario, trace=trace, block_size=block_size)
+    return ordered(scenario, order)
+
+
+def block_size_of(scenario: Scenario, block_size: int | None) -> int:
+    """The block size a run uses: a trace's own, else the option, the scenario's, 16."""
+    if scenario.trace is not None:
+        return scenario.trace.block_size
+    return block_size or scenario.block_size or DEFAULT_BLOCK_SIZE
+
+
+def capacities(
+    capacity: list[str] | None, capacity_blocks: list[int] | None, block_size: int, scenario: Scenario
+) -> list[Capacity]:
+    """The capacities to run (smallest first, unlimited last): the options', else the scenario's, else unlimited."""
+    caps: list[Capacity] = []
+    for c in capacity or []:
+        try:
+            caps.append(Capacity.from_tokens(parse_capacity(c, "--capacity"), block_size))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    for b in capacity_blocks or []:
+        if b <= 0:
+            raise UsageError(f"--capacity-blocks must be > 0, got {b}")
+        caps.append(Capacity(b))
+    if not caps:
+        try:
+            caps = [Capacity.from_tokens(c, block_size) for c in scenario.capacity] or [Capacity(None)]
+        except ValueError as exc:
+            raise UsageError(f"{scenario.path}: {exc}") from None
+    return sorted(dict.fromkeys(caps), key=Capacity.sort_key)

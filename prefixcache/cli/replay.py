@@ -1,0 +1,126 @@
+"""``prefixcache replay``: a scenario through a real model, cached and uncached (engine imported lazily)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prefixcache.cli import console
+from prefixcache.cli import options as opt
+from prefixcache.cli.app import UsageError, app, user_errors
+from prefixcache.cli.console import run_progress
+from prefixcache.cli.outputs import write_run
+from prefixcache.reports.record import build_record
+from prefixcache.sim.results import RunResult
+
+EXIT_MISMATCH = 1
+
+
+@app.command()
+@user_errors
+def replay(
+    scenario_path: Annotated[
+        Path, typer.Argument(metavar="SCENARIO", help="Scenario YAML (text, chat or token requests).")
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Built-in preset ('tiny', 'small') or a local Hugging Face model folder. "
+            "Default: the scenario's model, else 'tiny'.",
+        ),
+    ] = None,
+    capacity: opt.CapacityOpt = None,
+    capacity_blocks: opt.CapacityBlocksOpt = None,
+    block_size: opt.BlockSizeOpt = None,
+    warmup: opt.WarmupOpt = 0.0,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run each request uncached.")] = True,
+    verify: Annotated[bool, typer.Option("--verify", help="Exit with code 1 if any output differs.")] = False,
+    eviction: opt.EvictionOpt = "lru",
+    max_requests: Annotated[
+        int | None, typer.Option("--max-requests", help="Replay only the first N requests.")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32 (default), bfloat16, float16.")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cpu (default), cuda, ...")] = None,
+    json_out: opt.JsonOpt = None,
+    html: opt.HtmlOpt = None,
+    markdown: opt.MarkdownOpt = None,
+    progress: opt.ProgressOpt = True,
+) -> None:
+    """Replay a scenario through a real model, cached and (unless --no-baseline) uncached.
+
+    Records time to first token and total time for both, and whether the outputs match (greedy decoding).
+    Chat replies generated in one turn join the history of the conversation's next turn.
+    """
+    policy = opt.replay_policy(eviction, None, warmup)
+    opt.check_block_size(block_size)
+    if max_requests is not None and max_requests <= 0:
+        raise UsageError(f"--max-requests must be > 0, got {max_requests}")
+    opt.check_outputs(json_out, html, markdown)
+    scenario = opt.load_workload(scenario_path, None, "file")
+    if scenario.trace is not None:
+        raise UsageError(
+            f"{scenario_path}: hash-id traces have no tokens; they can only be simulated (prefixcache simulate)"
+        )
+    if max_requests is not None:
+        scenario = replace(scenario, requests=scenario.requests[:max_requests])
+    bs = opt.block_size_of(scenario, block_size)
+    caps = opt.capacities(capacity, capacity_blocks, bs, scenario)
+    model_name = model or scenario.model or "tiny"
+    try:
+        from engine.replay import ReplayError
+        from engine.replay import replay as run_replay
+    except ImportError as exc:
+        raise UsageError(
+            f"replay needs the model side (torch, transformers): pip install 'prefixcache[hf]' ({exc})"
+        ) from None
+    settings = {
+        "source": str(scenario_path),
+        "model": model_name,
+        "requests": len(scenario),
+        "block_size": bs,
+        "eviction": policy.eviction,
+        "warmup": policy.warmup,
+        "baseline": baseline,
+        "capacities": [c.label(bs) for c in caps],
+        "dtype": dtype or "float32",
+        "device": device or "cpu",
+    }
+    results: list[RunResult] = []
+    interrupted = False
+    with run_progress(progress, lambda c: c.label(bs)) as prog:
+        try:
+            results, info = run_replay(
+                scenario,
+                caps,
+                model=model_name,
+                block_size=bs,
+                eviction=policy.eviction,
+                warmup=policy.warmup,
+                baseline=baseline,
+                dtype=dtype,
+                device=device,
+                on_start=prog.start,
+                on_row=prog.row,
+            )
+            settings.update(info)
+        except ReplayError as exc:
+            raise UsageError(str(exc)) from None
+        except KeyboardInterrupt:
+            interrupted = True
+    mismatched = sum(1 for r in results for row in r.rows if row.outputs_match is False)
+    try:
+        write_run(
+            build_record("replay", str(scenario.path), settings, results, partial=interrupted), json_out, html, markdown
+        )
+    finally:
+        if mismatched:
+            message = f"{mismatched} request(s) gave different outputs cached and uncached"
+            if verify:
+                console.error(message)
+                raise typer.Exit(EXIT_MISMATCH)
+            console.info(f"warning: {message}")

@@ -1,0 +1,125 @@
+"""A workload rendered once into exactly what the cache sees, request by request (:class:`CacheRequests`).
+
+Two modes:
+
+* ``keys`` — a hash-id trace: request i looks up ``keys[offsets[i]:offsets[i+1]]`` (every hash id may hit,
+  the partial last block included: its id names that partial block) and commits all of them.
+* ``tokens`` — a text/chat/token scenario: request i looks up its prompt ids and commits the prompt plus
+  the reply a model would generate, less the reply's last token (which has no KV yet in a real model).
+  Replies are synthesised (seeded ASCII, ``max_new_tokens`` byte tokens) and join the history of later
+  turns of a conversation, so every capacity and policy replays the very same requests.
+
+Rendering once makes a capacity sweep cheap and gives the exact number of blocks a replay can ever insert
+(the pool size of an "unlimited" capacity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefixcache.core.errors import InputError
+from prefixcache.core.hashing import as_token_array
+from prefixcache.workload.render import ByteRenderer, Conversations, Renderer, synthetic_reply
+from prefixcache.workload.scenario import Scenario
+from prefixcache.workload.trace import Trace
+
+
+@dataclass(frozen=True)
+class CacheRequests:
+    """Per-request columns (index i = request i, in replay order). See the module docstring for the modes."""
+
+    mode: str  # "keys" | "tokens"
+    block_size: int
+    namespace: list[str]
+    prompt_tokens: list[int]  # prompt length in tokens
+    lookup_blocks: list[int]  # blocks looked up: hash ids (keys), ceil(prompt / block_size) (tokens)
+    timestamp: list[float | None]  # milliseconds, None when the request has none
+    output_tokens: list[int | None]
+    keys: np.ndarray | None = field(default=None, repr=False)  # keys mode: every request's ids back to back
+    offsets: list[int] | None = field(default=None, repr=False)
+    prompts: list[np.ndarray] | None = field(default=None, repr=False)  # tokens mode: int32 prompt ids
+    commits: list[np.ndarray] | None = field(default=None, repr=False)  # tokens mode: int32 ids to commit
+    trace: Trace | None = field(default=None, repr=False)  # keys mode: the trace itself
+
+    def __len__(self) -> int:
+        return len(self.prompt_tokens)
+
+    def request_keys(self, i: int) -> list[int]:
+        """Request i's hash ids (keys mode)."""
+        assert self.keys is not None and self.offsets is not None
+        return self.keys[self.offsets[i] : self.offsets[i + 1]].tolist()  # type: ignore[no-any-return]
+
+    def block_refs(self) -> int:
+        """Blocks the requests commit, counted with repeats: a cheap bound on what a replay can insert."""
+        if self.mode == "keys":
+            assert self.offsets is not None
+            return max(1, self.offsets[-1])
+        assert self.commits is not None
+        return max(1, sum(len(c) for c in self.commits) // self.block_size)
+
+    def max_inserted_blocks(self) -> int:
+        """An upper bound on the blocks a replay can ever hold: the pool size at which nothing is evicted."""
+        if self.mode == "keys":
+            assert self.trace is not None
+            from prefixcache.sim.node_trace import canonical_blocks  # late: only needed here
+
+            return max(1, canonical_blocks(self.trace).num_nodes)
+        assert self.commits is not None
+        bs = self.block_size
+        return max(1, sum(len(c) // bs for c in self.commits))
+
+
+def from_trace(trace: Trace) -> CacheRequests:
+    """A hash-id trace as cache requests (its own order and block size). Changes nothing."""
+    offsets = trace.offsets.tolist()
+    return CacheRequests(
+        mode="keys",
+        block_size=trace.block_size,
+        namespace=list(trace.namespace),
+        prompt_tokens=trace.input_length.tolist(),
+        lookup_blocks=np.diff(trace.offsets).tolist(),
+        timestamp=trace.timestamp.tolist(),
+        output_tokens=trace.output_length.tolist(),
+        keys=trace.ids,
+        offsets=offsets,
+        trace=trace,
+    )
+
+
+def from_scenario(scenario: Scenario, block_size: int, renderer: Renderer | None = None) -> CacheRequests:
+    """Render a scenario's requests once (see the module docstring). Raises InputError naming the file and
+    line of a request whose token ids the cache cannot take (e.g. an id >= 2**31)."""
+    if scenario.trace is not None:
+        return from_trace(scenario.trace)
+    renderer = renderer or ByteRenderer()
+    conv = Conversations()
+    prompts: list[np.ndarray] = []
+    commits: list[np.ndarray] = []
+    outputs: list[int | None] = []
+    for i, req in enumerate(scenario.requests):
+        prompt = conv.prompt(req, renderer)
+        k = req.max_new_tokens or scenario.max_new_tokens
+        reply = synthetic_reply(scenario.seed, i, k)
+        try:
+            arr = as_token_array(prompt, f"request {i + 1} tokens")
+        except (TypeError, ValueError) as exc:
+            raise InputError(str(exc), scenario.path, req.line) from None
+        if len(arr) == 0:
+            raise InputError(f"request {i + 1} renders to an empty prompt", scenario.path, req.line)
+        prompts.append(arr)
+        commits.append(np.concatenate([arr, np.frombuffer(reply.encode("ascii"), np.uint8)[:-1].astype(np.int32)]))
+        outputs.append(k)
+        conv.add_reply(req, reply)
+    return CacheRequests(
+        mode="tokens",
+        block_size=block_size,
+        namespace=[r.namespace for r in scenario.requests],
+        prompt_tokens=[len(p) for p in prompts],
+        lookup_blocks=[-(-len(p) // block_size) for p in prompts],
+        timestamp=[r.timestamp for r in scenario.requests],
+        output_tokens=outputs,
+        prompts=prompts,
+        commits=commits,
+    )

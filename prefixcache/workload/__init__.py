@@ -1,0 +1,3 @@
+"""Workloads: hash-id traces (Mooncake, kv-cache-tester), scenario YAML, generators, prompt rendering.
+
+Imports prefixcache.core at most."""

@@ -42,7 +42,7 @@ def namespace_root(namespace: str, seed: int) -> bytes:
 
 
 def chain_hashes(
-    hasher: BlockHasher, parent: bytes, data: bytes, block_size: int, start: int, stop: int
+    hasher: BlockHasher, parent: bytes, data: bytes | memoryview, block_size: int, start: int, stop: int
 ) -> list[bytes]:
     """Hashes of blocks ``start..stop-1`` of ``data`` (token bytes), chained from ``parent``."""
     bb = block_size * TOKEN_BYTES
@@ -56,7 +56,7 @@ def chain_hashes(
             append(parent)
         return out
     for off in range(start * bb, stop * bb, bb):
-        parent = hasher(parent, data[off : off + bb])
+        parent = hasher(parent, bytes(data[off : off + bb]))
         append(parent)
     return out
 
@@ -82,7 +82,7 @@ def token_bytes(tokens: Any, what: str = "tokens", valid_prefix: bytes = b"") ->
     a contiguous int32 array; the view must not outlive a change to it). Leading tokens whose bytes equal
     ``valid_prefix`` (ids validated before, e.g. the prompt of a match) are not checked again."""
     if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
-        data = memoryview(tokens).cast("B")
+        data = tokens.data.cast("B")
         n = len(valid_prefix)
         skip = n // TOKEN_BYTES if n and len(data) >= n and valid_prefix.startswith(data[:n]) else 0
         rest = tokens[skip:]
@@ -90,7 +90,7 @@ def token_bytes(tokens: Any, what: str = "tokens", valid_prefix: bytes = b"") ->
             bad = skip + int(np.argmax(rest < 0))
             raise ValueError(f"{what}[{bad}] is {tokens[bad]}; token ids must be >= 0")
         return data
-    return memoryview(as_token_array(tokens, what)).cast("B")
+    return as_token_array(tokens, what).data.cast("B")
 
 
 def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:

@@ -88,24 +88,18 @@ def _native(tokens: Any) -> bool:
     )
 
 
-def _check_sign(arr: np.ndarray, what: str, skip: int = 0) -> None:
-    """Raise ValueError naming the first negative id of ``arr[skip:]`` (int32: the only bad ids)."""
-    rest = arr[skip:] if skip else arr
-    if rest.size and _MIN(rest) < 0:
-        bad = skip + int(np.argmax(rest < 0))
+def _check_sign(arr: np.ndarray, what: str) -> None:
+    """Raise ValueError naming the first negative id of int32 ``arr`` (the only bad ids it can hold)."""
+    if arr.size and _MIN(arr) < 0:
+        bad = int(np.argmax(arr < 0))
         raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be >= 0")
 
 
-def token_bytes(tokens: Any, what: str = "tokens", valid_prefix: bytes = b"") -> memoryview:
+def token_bytes(tokens: Any, what: str = "tokens") -> memoryview:
     """Validated token ids as a byte-format view of little-endian int32 (no copy when ``tokens`` is already
-    a contiguous int32 array; the view must not outlive a change to it). Leading tokens whose bytes equal
-    ``valid_prefix`` (ids validated before, e.g. the prompt of a match) are not checked again."""
-    if _native(tokens):
-        data: memoryview = tokens.data.cast("B")
-        n = len(valid_prefix)
-        _check_sign(tokens, what, n // TOKEN_BYTES if n and len(data) >= n and valid_prefix.startswith(data[:n]) else 0)
-        return data
-    return as_token_array(tokens, what).data.cast("B")
+    a contiguous int32 array; the view must not outlive a change to it)."""
+    data: memoryview = as_token_array(tokens, what).data.cast("B")
+    return data
 
 
 def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:

@@ -36,6 +36,11 @@ class RunProgress:
         self.task: Any = None
         self.every = self.n = self.prompt = self.cached = 0
 
+    @property
+    def on_row(self) -> Any:
+        """The per-request callback to hand a replay: ``row``, or None when nothing is shown (saves a call)."""
+        return None if self.p.disable else self.row
+
     def start(self, capacity: Any, total: int) -> None:
         """A new replay begins (``capacity`` is labelled with ``label(capacity)``)."""
         self.close()

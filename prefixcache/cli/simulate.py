@@ -61,7 +61,7 @@ def simulate(
     interrupted = False
     with run_progress(progress, lambda c: c.label(bs)) as prog:
         try:
-            results = run_simulation(reqs, caps, policy, on_start=prog.start, on_row=prog.row)
+            results = run_simulation(reqs, caps, policy, on_start=prog.start, on_row=prog.on_row)
         except KeyboardInterrupt:
             interrupted = True
     write_run(

@@ -27,7 +27,7 @@ def capacity_label(t: Totals) -> str:
 
 
 SUMMARY_ROWS: list[tuple[str, Callable[[Totals], str]]] = [
-    ("pool blocks", lambda t: fmt.integer(t["pool_blocks"])),
+    ("pool blocks", lambda t: "unlimited" if t["capacity_blocks"] is None else fmt.integer(t["pool_blocks"])),
     ("requests", lambda t: fmt.integer(t["requests"])),
     ("prompt tokens", lambda t: fmt.integer(t["prompt_tokens"])),
     ("cached tokens", lambda t: fmt.integer(t["cached_tokens"])),

@@ -19,6 +19,7 @@ from prefixcache.sim.results import Row, RunResult
 OnRow = Callable[[Row, PrefixCache], None]  # the row just served, and the cache that served it
 OnStart = Callable[[Capacity, int], None]
 TIMESTAMP_UNIT_S = 1e-3  # request timestamps are milliseconds (Mooncake, kv-tester, scenarios)
+UNLIMITED_POOL_BLOCKS = 2**60  # an unlimited capacity: never full, and free (the core allocates lazily)
 
 
 class Replayer:
@@ -42,19 +43,19 @@ class Replayer:
         if ts is not None:
             self.now = ts * TIMESTAMP_UNIT_S
         ns = reqs.namespace[i]
-        evicted0 = cache.stats.blocks_evicted
-        keep_for = self.policy.keep_for
+        stats = cache.stats
+        evicted0 = stats.blocks_evicted
         if reqs.mode == "keys":
             m = cache.match_keys(reqs.request_keys(i), ns, num_tokens=reqs.prompt_tokens[i])
             try:
-                c = cache.commit_keys(m.handle, keep_for=keep_for)
+                c = cache.commit_keys(m.handle, keep_for=self.policy.keep_for)
             finally:
                 cache.release(m.handle)
         else:
             assert reqs.prompts is not None and reqs.commits is not None
             m = cache.match(reqs.prompts[i], ns)
             try:
-                c = cache.commit(m.handle, reqs.commits[i], keep_for=keep_for)
+                c = cache.commit(m.handle, reqs.commits[i], keep_for=self.policy.keep_for)
             finally:
                 cache.release(m.handle)
         return Row(
@@ -64,8 +65,8 @@ class Replayer:
             m.cached_tokens,
             reqs.lookup_blocks[i],
             m.cached_blocks,
-            len(c.block_ids),
-            cache.stats.blocks_evicted - evicted0,
+            c.cached_blocks - c.first_block,
+            stats.blocks_evicted - evicted0,
             cache.num_cached_blocks,
             warmup,
             ts,
@@ -83,15 +84,14 @@ def replay(
 ) -> RunResult:
     """Replay every request of ``reqs`` in order through a fresh cache of ``capacity``.
 
-    ``pool_blocks`` overrides the pool of an unlimited capacity (default: ``reqs.max_inserted_blocks()``). A
-    finite capacity larger than everything the requests commit is served with a pool of that size instead
-    (it behaves identically: nothing is evicted either way).
+    An unlimited capacity is a pool of ``UNLIMITED_POOL_BLOCKS`` (the core allocates nothing up front, so
+    it costs only what is cached); ``pool_blocks`` overrides that.
     A KeyboardInterrupt stops the replay; the rows so far come back with ``partial=True``.
     """
     if capacity.blocks is not None:
-        pool = min(capacity.blocks, reqs.block_refs())
+        pool = capacity.blocks
     else:
-        pool = pool_blocks if pool_blocks is not None else reqs.max_inserted_blocks()
+        pool = pool_blocks if pool_blocks is not None else UNLIMITED_POOL_BLOCKS
     rep = Replayer(reqs, pool, policy)
     first = policy.measured_from(len(reqs))
     rows: list[Row] = []
@@ -116,14 +116,11 @@ def simulate(
     on_row: OnRow | None = None,
 ) -> list[RunResult]:
     """One replay per capacity (a sweep), in the given order; stops after a replay that was interrupted."""
-    unlimited_pool: int | None = None
     results = []
     for cap in capacities:
-        if cap.blocks is None and unlimited_pool is None:
-            unlimited_pool = reqs.max_inserted_blocks()
         if on_start is not None:
             on_start(cap, len(reqs))
-        r = replay(reqs, cap, policy, pool_blocks=unlimited_pool, on_row=on_row)
+        r = replay(reqs, cap, policy, on_row=on_row)
         results.append(r)
         if r.partial:
             break

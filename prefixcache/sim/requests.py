@@ -51,16 +51,9 @@ class CacheRequests:
         assert self.keys is not None and self.offsets is not None
         return self.keys[self.offsets[i] : self.offsets[i + 1]].tolist()  # type: ignore[no-any-return]
 
-    def block_refs(self) -> int:
-        """Blocks the requests commit, counted with repeats: a cheap bound on what a replay can insert."""
-        if self.mode == "keys":
-            assert self.offsets is not None
-            return max(1, self.offsets[-1])
-        assert self.commits is not None
-        return max(1, sum(len(c) for c in self.commits) // self.block_size)
-
     def max_inserted_blocks(self) -> int:
-        """An upper bound on the blocks a replay can ever hold: the pool size at which nothing is evicted."""
+        """The blocks a replay can ever hold: the smallest pool at which nothing is evicted (keys mode: the
+        distinct blocks; tokens mode: every committed full block, an upper bound)."""
         if self.mode == "keys":
             assert self.trace is not None
             from prefixcache.sim.node_trace import canonical_blocks  # late: only needed here

@@ -99,7 +99,7 @@ def totals(rows: Iterable[Row], capacity: Capacity, pool_blocks: int, block_size
         "inserted_blocks": sum(r.inserted_blocks for r in rows),
         "evicted_blocks": sum(r.evicted_blocks for r in rows),
         "peak_pool_blocks": peak,
-        "peak_pool_occupancy": peak / pool_blocks if pool_blocks else 0.0,
+        "peak_pool_occupancy": None if capacity.blocks is None else peak / pool_blocks,
     }
     ttft_c = [r.ttft_cached_s for r in rows if r.ttft_cached_s is not None]
     ttft_u = [r.ttft_uncached_s for r in rows if r.ttft_uncached_s is not None]

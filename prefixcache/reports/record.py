@@ -129,6 +129,15 @@ _ROW_SPEC: dict[str, tuple[str, bool]] = {
     "ttft_uncached_s": ("num", True),
     "total_uncached_s": ("num", True),
     "outputs_match": ("bool", True),
+    "cold_tokens": ("int", True),
+    "evicted_tokens": ("int", True),
+    "diverged_tokens": ("int", True),
+    "partial_block_tokens": ("int", True),
+    "namespace_tokens": ("int", True),
+    "not_cached_tokens": ("int", True),
+    "reuse_blocks": ("int", True),
+    "shared_tokens": ("int", True),
+    "shared_with": ("int", True),
 }
 _ROW_DEFAULTS = Row._field_defaults
 assert set(_ROW_SPEC) == set(ROW_FIELDS)

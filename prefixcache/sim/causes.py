@@ -82,7 +82,7 @@ class Causes(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Divergence:
+class Fork:
     """A fork with diverged tokens: the prompt and ``partner``'s sequence agree up to ``position``.
 
     ``before``: the shared tokens just before it; ``this`` / ``other``: the next tokens of the prompt and of the
@@ -123,22 +123,24 @@ def split_unseen(n: int, s: int, same: int, any_: int, t: int, seen_after: int) 
 
 
 def analyse_prompt(
-    history: History, prompt: np.ndarray, namespace: str, keys: list[bytes] | None = None
-) -> tuple[Unseen, Shared, Divergence | None]:
-    """How ``prompt`` (int32 tokens) relates to ``history`` (tokens mode). Changes nothing."""
+    history: History, prompt: np.ndarray, namespace: str, keys: list[bytes] | None = None, cached: int = 0
+) -> tuple[Unseen, Shared, Fork | None]:
+    """How ``prompt`` (int32 tokens) relates to ``history`` (tokens mode). ``cached``: tokens the cache served
+    it, which history must cover (a live history that forgot older sequences is raised to it). Changes nothing."""
     bs = history.block_size
     n = len(prompt)
     s = servable("tokens", n, 0, bs)
     sh = history.query(prompt.tobytes(), namespace, keys)
-    same, any_ = min(sh.blocks_same * bs, s), min(sh.blocks_any * bs, s)
-    t = sh.tokens
+    same = max(min(sh.blocks_same * bs, s), cached)
+    any_ = max(min(sh.blocks_any * bs, s), same)
+    t = max(sh.tokens, any_)
     seen_after = 0
     div = None
     if sh.fork and t < s and sh.partner is not None:
         other = history.sequence(sh.partner)
         seen_after = covered_by_runs(prompt[t:s], other[t:], max(bs, MIN_RUN))
         if seen_after:
-            div = Divergence(
+            div = Fork(
                 t,
                 sh.partner,
                 tuple(prompt[max(0, t - CONTEXT) : t].tolist()),
@@ -161,7 +163,7 @@ class WorkloadCauses:
     unseen: list[Unseen]
     shared_tokens: list[int]
     shared_with: list[int | None]
-    divergences: dict[int, Divergence]
+    divergences: dict[int, Fork]
     paths: np.ndarray
     offsets: list[int]
     num_ids: int
@@ -272,7 +274,7 @@ def _token_causes(reqs: CacheRequests) -> WorkloadCauses:
     unseen: list[Unseen] = []
     shared_tokens: list[int] = []
     shared_with: list[int | None] = []
-    divergences: dict[int, Divergence] = {}
+    divergences: dict[int, Fork] = {}
     paths: list[int] = []
     offsets = [0]
     for i, (prompt, commit, ns) in enumerate(zip(reqs.prompts, reqs.commits, reqs.namespace)):
@@ -351,3 +353,77 @@ class CauseTracker:
             wc.shared_tokens[i],
             wc.shared_with[i],
         )
+
+
+# ---- a live cache (the model wrapper) ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LiveRequest:
+    """A prompt a live cache just matched: its id in the history, namespace, causes, and fork (if any)."""
+
+    id: int
+    namespace: str
+    causes: Causes
+    fork: Fork | None
+
+
+class LiveCauses:
+    """Miss causes for a cache whose requests are not known in advance (``engine``'s wrapper).
+
+    It keeps its own :class:`History` of what was committed, bounded to ``max_tokens`` tokens: past that it
+    starts over (content seen only before then counts as cold; what the cache still serves counts as seen).
+    No reuse distances. Per request: ``request`` right after the cache's match (for every row of a batch
+    before any commit), then ``committed`` for each sequence committed for it.
+    """
+
+    def __init__(self, block_size: int, max_tokens: int | None = None) -> None:
+        self.block_size = block_size
+        self.max_tokens = max_tokens
+        self.requests = 0
+        self._forget()
+
+    def _forget(self) -> None:
+        self.history = History(self.block_size)
+        self.failed: set[tuple[str, bytes]] = set()  # (namespace, block key) whose latest commit did not fit
+
+    def reset(self) -> None:
+        """Forget everything (the cache was emptied)."""
+        self.requests = 0
+        self._forget()
+
+    def request(self, prompt: np.ndarray, namespace: str, cached: int) -> LiveRequest:
+        """The causes of ``prompt`` (int32 tokens), which the cache just matched with ``cached`` tokens. Changes
+        only the request count."""
+        bs = self.block_size
+        keys = block_keys(prompt.tobytes(), bs)
+        u, sh, fork = analyse_prompt(self.history, prompt, namespace, keys, cached)
+        not_cached = 0
+        if self.failed:
+            for b in range(cached // bs, u.seen_same // bs):
+                if (namespace, keys[b]) in self.failed:
+                    not_cached += bs
+        causes = Causes(
+            u.cold,
+            u.seen_same - cached - not_cached,
+            u.diverged,
+            u.partial_block,
+            u.namespace,
+            not_cached,
+            None,
+            max(sh.tokens, u.seen_same),
+            sh.partner,
+        )
+        rid = self.requests
+        self.requests += 1
+        return LiveRequest(rid, namespace, causes, fork)
+
+    def committed(self, req: LiveRequest, tokens: np.ndarray, commit: CommitResult) -> None:
+        """Record that ``tokens`` (int32) were committed for ``req`` as ``commit``."""
+        if self.max_tokens is not None and self.history.tokens + len(tokens) > self.max_tokens:
+            self._forget()
+        keys = block_keys(tokens.tobytes(), self.block_size)
+        self.history.add(req.id, tokens, req.namespace, keys)
+        ns, failed = req.namespace, self.failed
+        if failed and commit.block_ids:
+            failed.difference_update((ns, k) for k in keys[commit.first_block : commit.cached_blocks])
+        if commit.not_cached:
+            failed.update((ns, k) for k in keys[commit.cached_blocks : commit.cached_blocks + commit.not_cached])

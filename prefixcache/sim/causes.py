@@ -49,7 +49,7 @@ workload (:func:`workload_causes`, kept in ``CacheRequests.memo``) and shared by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -86,13 +86,16 @@ class Fork:
     """A fork with diverged tokens: the prompt and ``partner``'s sequence agree up to ``position``.
 
     ``before``: the shared tokens just before it; ``this`` / ``other``: the next tokens of the prompt and of the
-    partner's sequence (up to CONTEXT each)."""
+    partner's sequence (up to CONTEXT each). ``place``: the block the position falls in and the tokens before
+    that block: forks at one place cost the same blocks, whichever token of the block differs first (the
+    digits of a timestamp)."""
 
     position: int
     partner: int
     before: tuple[int, ...]
     this: tuple[int, ...]
     other: tuple[int, ...]
+    place: tuple[int, ...]
 
 
 class Unseen(NamedTuple):
@@ -137,16 +140,26 @@ def analyse_prompt(
     seen_after = 0
     div = None
     if sh.fork and t < s and sh.partner is not None:
-        other = history.sequence(sh.partner)
-        seen_after = covered_by_runs(prompt[t:s], other[t:], max(bs, MIN_RUN))
+        k = max(bs, MIN_RUN)
+        partner, other = sh.partner, history.sequence(sh.partner)
+        seen_after = covered_by_runs(prompt[t:s], other[t:], k)
+        for rival in sh.rivals:  # as near as the partner: keep the one that shares the most after t
+            seq = history.sequence(rival)
+            n_seen = covered_by_runs(prompt[t:s], seq[t:], k)
+            if n_seen > seen_after:
+                partner, other, seen_after = rival, seq, n_seen
         if seen_after:
+            start = t // bs * bs
             div = Fork(
                 t,
-                sh.partner,
+                partner,
                 tuple(prompt[max(0, t - CONTEXT) : t].tolist()),
                 tuple(prompt[t : t + CONTEXT].tolist()),
                 tuple(other[t : t + CONTEXT].tolist()),
+                (start, *prompt[max(0, start - CONTEXT) : start].tolist()),
             )
+    if div is not None and div.partner != sh.partner:
+        sh = replace(sh, partner=div.partner)
     return split_unseen(n, s, same, any_, t, seen_after), sh, div
 
 
@@ -163,7 +176,7 @@ class WorkloadCauses:
     unseen: list[Unseen]
     shared_tokens: list[int]
     shared_with: list[int | None]
-    divergences: dict[int, Fork]
+    forks: dict[int, Fork]  # requests whose fork has diverged tokens
     paths: np.ndarray
     offsets: list[int]
     num_ids: int
@@ -274,7 +287,7 @@ def _token_causes(reqs: CacheRequests) -> WorkloadCauses:
     unseen: list[Unseen] = []
     shared_tokens: list[int] = []
     shared_with: list[int | None] = []
-    divergences: dict[int, Fork] = {}
+    forks: dict[int, Fork] = {}
     paths: list[int] = []
     offsets = [0]
     for i, (prompt, commit, ns) in enumerate(zip(reqs.prompts, reqs.commits, reqs.namespace)):
@@ -284,13 +297,13 @@ def _token_causes(reqs: CacheRequests) -> WorkloadCauses:
         shared_tokens.append(sh.tokens)
         shared_with.append(sh.partner)
         if div is not None:
-            divergences[i] = div
+            forks[i] = div
         path = history.add(i, commit, ns, keys)
         paths.extend([ids.setdefault((ns, nid), len(ids)) for nid in path] if several else path)
         offsets.append(len(paths))
     num_ids = len(ids) if several else history.num_nodes
     return WorkloadCauses(
-        bs, unseen, shared_tokens, shared_with, divergences, np.asarray(paths, dtype=np.int64), offsets, num_ids
+        bs, unseen, shared_tokens, shared_with, forks, np.asarray(paths, dtype=np.int64), offsets, num_ids
     )
 
 

@@ -25,6 +25,7 @@ from prefixcache.core.hashing import TOKEN_BYTES, chain_hashes, namespace_root, 
 from prefixcache.core.radix_tree import _first_mismatch
 
 ROOT = 0  # node id of the empty prefix
+RIVALS = 4  # continuations compared on each side of a fork (sharing as much, going on)
 _HASHER = xxh3_hasher(0)
 _ROOT_KEY = namespace_root("\x00prefixcache-history", 0)  # one chain for every namespace
 
@@ -38,6 +39,7 @@ class Shared:
     tokens: int  # the longest common prefix, in tokens, with any earlier sequence
     partner: int | None  # the request whose sequence that is (None: no earlier sequence)
     fork: bool  # the partner's sequence goes on past ``tokens`` with another token (else it ends there)
+    rivals: tuple[int, ...] = ()  # with ``fork``: other requests that share as much and go on too (a few)
 
 
 def block_keys(data: bytes, block_size: int) -> list[bytes]:
@@ -103,16 +105,25 @@ class History:
             return Shared(same, any_, base, owner if owner >= 0 else None, False)
         texts, reqs = cont
         pos = bisect.bisect_left(texts, seg)
-        best, partner, fork = -1, -1, False
-        for k in (pos - 1, pos):
-            if 0 <= k < len(texts):
-                n = _first_mismatch(texts[k], seg) // TOKEN_BYTES
-                goes_on = len(texts[k]) > n * TOKEN_BYTES
-                if n > best or (n == best and goes_on and not fork):
-                    best, partner, fork = n, reqs[k], goes_on
-        if not seg:
-            fork = False  # the prompt ends here: nothing of it departs
-        return Shared(same, any_, base + best, partner, fork)
+        best = max(_first_mismatch(texts[k], seg) for k in (pos - 1, pos) if 0 <= k < len(texts)) // TOKEN_BYTES
+        size = (best + 1) * TOKEN_BYTES  # a continuation that shares ``best`` tokens and goes on is this long
+        going: list[int] = []  # the nearest continuations that share ``best`` tokens and go on, both sides
+        ended = -1
+        for step, start in ((-1, pos - 1), (1, pos)):
+            k, found = start, 0
+            while 0 <= k < len(texts) and found < RIVALS:
+                text = texts[k]
+                if _first_mismatch(text, seg) < best * TOKEN_BYTES:
+                    break
+                if len(text) >= size:
+                    going.append(reqs[k])
+                    found += 1
+                elif ended < 0:
+                    ended = reqs[k]
+                k += step
+        if not seg or not going:  # the prompt ends here, or every such sequence ends where it leaves them
+            return Shared(same, any_, base + best, going[0] if going else ended, False)
+        return Shared(same, any_, base + best, going[0], True, tuple(going[1:]))
 
     # ---- recording -------------------------------------------------------------------------------------
     def add(self, request: int, tokens: np.ndarray, namespace: str, keys: list[bytes] | None = None) -> list[int]:

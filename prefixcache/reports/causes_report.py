@@ -146,7 +146,7 @@ def plot_causes(record: RunRecord) -> bytes | None:
         return None
     totals = [cause_totals(record.runs[k].rows) or {} for k in runs]
     labels = [capacity_label(record, k) for k in runs]
-    fig, ax = new_figure(height=max(2.4, 0.6 * len(runs) + 1.6))
+    fig, ax = new_figure(height=max(2.6, 0.6 * len(runs) + 1.9))
     left = [0] * len(runs)
     for cause in CAUSES:
         vals = [t.get(cause, 0) for t in totals]
@@ -156,7 +156,7 @@ def plot_causes(record: RunRecord) -> bytes | None:
     ax.set_xlabel("uncached prompt tokens")
     ax.set_title("Uncached tokens by cause")
     ax.invert_yaxis()
-    ax.legend(fontsize=8, ncol=3, loc="lower right")
+    ax.legend(fontsize=8, ncol=len(CAUSES), loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
     return png(fig)
 
 

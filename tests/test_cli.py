@@ -148,9 +148,9 @@ def test_report_renders_and_rejects_bad_records(tmp_path):
     assert r.exit_code == 0, r.output
     assert "token hit rate" in r.output
     html = (tmp_path / "r.html").read_text()
-    assert html.count("data:image/png;base64,") == 3 and "src='http" not in html
+    assert html.count("data:image/png;base64,") == 4 and "src='http" not in html
     md = (tmp_path / "md" / "r.md").read_text()
-    for stem in ("hit_rate", "tokens_saved", "capacity"):
+    for stem in ("causes", "hit_rate", "tokens_saved", "capacity"):
         assert (tmp_path / "md" / f"r_{stem}.png").read_bytes()[:4] == b"\x89PNG"
         assert f"(r_{stem}.png)" in md
     bad = tmp_path / "bad.json"

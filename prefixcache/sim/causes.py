@@ -55,7 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prefixcache.core.cache import CommitResult
-from prefixcache.sim.history import History, Shared, block_keys, covered_by_runs
+from prefixcache.sim.history import History, Shared, history_keys, covered_by_runs
 from prefixcache.sim.lru_stack import LruStack
 from prefixcache.sim.node_trace import canonical_blocks
 from prefixcache.sim.requests import CacheRequests
@@ -291,7 +291,7 @@ def _token_causes(reqs: CacheRequests) -> WorkloadCauses:
     paths: list[int] = []
     offsets = [0]
     for i, (prompt, commit, ns) in enumerate(zip(reqs.prompts, reqs.commits, reqs.namespace)):
-        keys = block_keys(commit.tobytes(), bs)
+        keys = history_keys(commit.tobytes(), bs)
         u, sh, div = analyse_prompt(history, prompt, ns, keys)
         unseen.append(u)
         shared_tokens.append(sh.tokens)
@@ -407,7 +407,7 @@ class LiveCauses:
         """The causes of ``prompt`` (int32 tokens), which the cache just matched with ``cached`` tokens. Changes
         only the request count."""
         bs = self.block_size
-        keys = block_keys(prompt.tobytes(), bs)
+        keys = history_keys(prompt.tobytes(), bs)
         u, sh, fork = analyse_prompt(self.history, prompt, namespace, keys, cached)
         not_cached = 0
         if self.failed:
@@ -433,7 +433,7 @@ class LiveCauses:
         """Record that ``tokens`` (int32) were committed for ``req`` as ``commit``."""
         if self.max_tokens is not None and self.history.tokens + len(tokens) > self.max_tokens:
             self._forget()
-        keys = block_keys(tokens.tobytes(), self.block_size)
+        keys = history_keys(tokens.tobytes(), self.block_size)
         self.history.add(req.id, tokens, req.namespace, keys)
         ns, failed = req.namespace, self.failed
         if failed and commit.block_ids:

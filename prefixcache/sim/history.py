@@ -42,7 +42,7 @@ class Shared:
     rivals: tuple[int, ...] = ()  # with ``fork``: other requests that share as much and go on too (a few)
 
 
-def block_keys(data: bytes, block_size: int) -> list[bytes]:
+def history_keys(data: bytes, block_size: int) -> list[bytes]:
     """The namespace-free chained keys of every full block of ``data`` (int32 token bytes)."""
     return chain_hashes(_HASHER, _ROOT_KEY, data, block_size, 0, len(data) // (TOKEN_BYTES * block_size))
 
@@ -73,12 +73,12 @@ class History:
     # ---- reading ---------------------------------------------------------------------------------------
     def query(self, data: bytes, namespace: str, keys: list[bytes] | None = None) -> Shared:
         """How the prompt ``data`` (int32 token bytes) shares a prefix with earlier sequences. ``keys``: its
-        ``block_keys`` if the caller has them (a longer sequence's keys are fine: only the prompt's full blocks
+        ``history_keys`` if the caller has them (a longer sequence's keys are fine: only the prompt's full blocks
         are used). Changes nothing."""
         bb = self._bb
         nfull = len(data) // bb
         if keys is None:
-            keys = block_keys(data, self.block_size)
+            keys = history_keys(data, self.block_size)
         nodes = self._nodes
         path: list[int] = []
         for key in keys[:nfull]:
@@ -127,12 +127,12 @@ class History:
 
     # ---- recording -------------------------------------------------------------------------------------
     def add(self, request: int, tokens: np.ndarray, namespace: str, keys: list[bytes] | None = None) -> list[int]:
-        """Record that ``request`` committed ``tokens`` (int32) in ``namespace``; ``keys``: their ``block_keys``
+        """Record that ``request`` committed ``tokens`` (int32) in ``namespace``; ``keys``: their ``history_keys``
         if the caller has them. Returns the node id of each full block (the path, root first)."""
         data = tokens.tobytes()
         bb = self._bb
         if keys is None:
-            keys = block_keys(data, self.block_size)
+            keys = history_keys(data, self.block_size)
         nodes, ns_of = self._nodes, self._ns
         self.namespaces.add(namespace)
         self._seqs[request] = tokens

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prefixcache.core.cache import CommitResult
-from prefixcache.sim.history import History, Shared, history_keys, covered_by_runs
+from prefixcache.sim.history import History, Shared, covered_by_runs, history_keys
 from prefixcache.sim.lru_stack import LruStack
 from prefixcache.sim.node_trace import canonical_blocks
 from prefixcache.sim.requests import CacheRequests

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 Run = tuple[int, int, int]  # (first depth, stop depth, stack distance of the first block)
+SHORT = 128  # paths up to this many blocks find their runs in a Python loop
 
 
 class Fenwick:
@@ -65,13 +66,28 @@ class LruStack:
         the stack: every block of ``path`` is now touched by ``i``.
         """
         prev = self.last[path]
-        seen = int(np.count_nonzero(prev >= 0))  # a prefix: a seen block's parent was seen
+        if len(prev) <= SHORT:  # a Python loop beats a handful of numpy calls on short paths
+            bounds, owners = [], []
+            last = -2
+            seen = 0
+            for t in prev.tolist():
+                if t < 0:  # a prefix: a seen block's parent was seen
+                    break
+                if t != last:
+                    bounds.append(seen)
+                    owners.append(t)
+                    last = t
+                seen += 1
+            bounds.append(seen)
+        else:
+            seen = int(np.count_nonzero(prev >= 0))
+            if seen:
+                cuts = np.flatnonzero(prev[1:seen] != prev[: seen - 1]) + 1
+                bounds = [0, *cuts.tolist(), seen]
+                owners = prev[bounds[:-1]].tolist()
         runs: list[Run] = []
         if seen:
             fen, owned = self.fen, self.owned_start
-            cuts = np.flatnonzero(prev[1:seen] != prev[: seen - 1]) + 1
-            bounds = [0, *cuts.tolist(), seen]
-            owners = prev[bounds[:-1]].tolist()
             total = fen.total
             for k, t in enumerate(owners):
                 d0, d1 = bounds[k], bounds[k + 1]

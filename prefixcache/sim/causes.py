@@ -403,9 +403,9 @@ class LiveCauses:
         self.requests = 0
         self._forget()
 
-    def request(self, prompt: np.ndarray, namespace: str, cached: int) -> LiveRequest:
+    def request(self, prompt: np.ndarray, namespace: str, cached: int, *, count: bool = True) -> LiveRequest:
         """The causes of ``prompt`` (int32 tokens), which the cache just matched with ``cached`` tokens. Changes
-        only the request count."""
+        only the request count (not even that without ``count``: a question about a prompt not served)."""
         bs = self.block_size
         keys = history_keys(prompt.tobytes(), bs)
         u, sh, fork = analyse_prompt(self.history, prompt, namespace, keys, cached)
@@ -426,7 +426,7 @@ class LiveCauses:
             sh.partner,
         )
         rid = self.requests
-        self.requests += 1
+        self.requests += count
         return LiveRequest(rid, namespace, causes, fork)
 
     def committed(self, req: LiveRequest, tokens: np.ndarray, commit: CommitResult) -> None:

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prefixcache.core.cache import CommitResult
-from prefixcache.sim.history import History, Shared, covered_by_runs, history_keys
+from prefixcache.sim.history import History, Shared, covered_by_runs, history_keys, window_hashes
 from prefixcache.sim.lru_stack import LruStack
 from prefixcache.sim.node_trace import canonical_blocks
 from prefixcache.sim.requests import CacheRequests
@@ -141,11 +141,13 @@ def analyse_prompt(
     div = None
     if sh.fork and t < s and sh.partner is not None:
         k = max(bs, MIN_RUN)
+        after = prompt[t:s]
+        hashes = window_hashes(after, k)
         partner, other = sh.partner, history.sequence(sh.partner)
-        seen_after = covered_by_runs(prompt[t:s], other[t:], k)
+        seen_after = covered_by_runs(after, other[t:], k, hashes)
         for rival in sh.rivals:  # as near as the partner: keep the one that shares the most after t
             seq = history.sequence(rival)
-            n_seen = covered_by_runs(prompt[t:s], seq[t:], k)
+            n_seen = covered_by_runs(after, seq[t:], k, hashes)
             if n_seen > seen_after:
                 partner, other, seen_after = rival, seq, n_seen
         if seen_after:
@@ -317,6 +319,12 @@ class CauseTracker:
 
     def __init__(self, wc: WorkloadCauses) -> None:
         self.wc = wc
+        self.seen_same = [u.seen_same for u in wc.unseen]
+        # each request's causes when nothing it had was lost (the common case, returned as is)
+        self.intact = [
+            Causes(u.cold, 0, u.diverged, u.partial_block, u.namespace, 0, None, t, w)
+            for u, t, w in zip(wc.unseen, wc.shared_tokens, wc.shared_with)
+        ]
         self.failed: set[int] = set()  # blocks whose latest commit did not fit
         self.next = 0
 
@@ -326,24 +334,26 @@ class CauseTracker:
             self.next = -1
             return None
         self.next = i + 1
+        seen = self.seen_same[i]
+        failed = self.failed
+        if seen == cached and not commit.not_cached and not failed:
+            return self.intact[i]
+        lost = seen - cached
+        assert lost >= 0, f"request {i}: served {cached} tokens, more than history holds ({seen})"
         wc = self.wc
         bs = wc.block_size
-        u = wc.unseen[i]
-        lost = u.seen_same - cached
-        assert lost >= 0, f"request {i}: served {cached} tokens, more than history holds ({u.seen_same})"
         evicted = not_cached = 0
         reuse = None
-        failed = self.failed
         path: list[int] | None = None
         if lost:
-            first, stop = cached // bs, -(-u.seen_same // bs)
+            first, stop = cached // bs, -(-seen // bs)
             deepest = stop - 1
             if failed:
                 path = wc.path(i)
                 deepest = -1
                 for b in range(first, stop):
                     if path[b] in failed:
-                        not_cached += min(bs, u.seen_same - b * bs)
+                        not_cached += min(bs, seen - b * bs)
                     else:
                         deepest = b
             evicted = lost - not_cached
@@ -355,17 +365,7 @@ class CauseTracker:
                 failed.difference_update(path[commit.first_block : commit.cached_blocks])
             if commit.not_cached:
                 failed.update(path[commit.cached_blocks : commit.cached_blocks + commit.not_cached])
-        return Causes(
-            u.cold,
-            evicted,
-            u.diverged,
-            u.partial_block,
-            u.namespace,
-            not_cached,
-            reuse,
-            wc.shared_tokens[i],
-            wc.shared_with[i],
-        )
+        return self.intact[i]._replace(evicted=evicted, not_cached=not_cached, reuse_blocks=reuse)
 
 
 # ---- a live cache (the model wrapper) ----------------------------------------------------------------------------

@@ -175,30 +175,50 @@ class History:
 
 
 # ---- content seen again after a divergence ------------------------------------------------------------------
-_RNG = np.random.default_rng(0x9E3779B97F4A7C15)
-_BASE = np.uint64(int(_RNG.integers(1 << 62)) * 2 + 1)  # odd: invertible modulo 2**64
+_BASE = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**64
+_INV = pow(_BASE, -1, 1 << 64)
+_POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]  # BASE**j, BASE**-j
+SMALL = 4096  # windows up to this many are compared as Python sets (numpy's isin costs more below that)
 
 
-def _window_hashes(a: np.ndarray, k: int) -> np.ndarray:
-    """A polynomial hash (mod 2**64) of every length-``k`` window of ``a``: equal windows, equal hashes."""
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """BASE**0..BASE**(n-1) and their inverses modulo 2**64 (grown and kept across calls)."""
+    if len(_POWERS[0]) < n:
+        size = max(n, 2 * len(_POWERS[0]))
+        with np.errstate(over="ignore"):
+            for k, base in enumerate((_BASE, _INV)):
+                p = np.ones(size, dtype=np.uint64)
+                p[1:] = np.cumprod(np.full(size - 1, base, dtype=np.uint64))
+                _POWERS[k] = p
+    return _POWERS[0][:n], _POWERS[1][:n]
+
+
+def window_hashes(a: np.ndarray, k: int) -> np.ndarray:
+    """A polynomial hash (mod 2**64) of every length-``k`` window of ``a`` (empty when shorter): equal windows
+    have equal hashes. Changes nothing."""
     n = len(a)
+    if n < k or k < 1:
+        return np.zeros(0, dtype=np.uint64)
+    powers, inverse = _powers(n)
     with np.errstate(over="ignore"):
-        powers = np.ones(n, dtype=np.uint64)  # BASE**0 .. BASE**(n-1), wrapping
-        powers[1:] = np.cumprod(np.full(n - 1, _BASE, dtype=np.uint64))
-        prefix = np.concatenate(([np.uint64(0)], np.cumsum(a.astype(np.uint64) * powers, dtype=np.uint64)))
-        inv = np.uint64(pow(int(_BASE), -1, 1 << 64))
-        inv_powers = np.ones(n - k + 1, dtype=np.uint64)
-        inv_powers[1:] = np.cumprod(np.full(n - k, inv, dtype=np.uint64))
-        out: np.ndarray = (prefix[k:] - prefix[: n - k + 1]) * inv_powers
+        prefix = np.zeros(n + 1, dtype=np.uint64)
+        np.cumsum(a.astype(np.uint64) * powers, dtype=np.uint64, out=prefix[1:])
+        out: np.ndarray = (prefix[k:] - prefix[: n - k + 1]) * inverse[: n - k + 1]
     return out
 
 
-def covered_by_runs(a: np.ndarray, b: np.ndarray, k: int) -> int:
+def covered_by_runs(a: np.ndarray, b: np.ndarray, k: int, a_hashes: np.ndarray | None = None) -> int:
     """How many positions of ``a`` lie in a run of >= ``k`` consecutive tokens that also occurs somewhere in
-    ``b``. Changes nothing."""
+    ``b`` (``a_hashes``: ``window_hashes(a, k)`` if the caller has them). Changes nothing."""
     if k < 1 or len(a) < k or len(b) < k:
         return 0
-    hit = np.isin(_window_hashes(a, k), _window_hashes(b, k))
+    ha = window_hashes(a, k) if a_hashes is None else a_hashes
+    hb = window_hashes(b, k)
+    if len(ha) + len(hb) <= SMALL:
+        other = set(hb.tolist())
+        hit = np.fromiter((h in other for h in ha.tolist()), dtype=bool, count=len(ha))
+    else:
+        hit = np.isin(ha, hb)
     if not hit.any():
         return 0
-    return int(np.count_nonzero(np.convolve(hit, np.ones(k, dtype=np.int64))[: len(a)]))
+    return int(np.count_nonzero(np.convolve(hit, np.ones(k, dtype=np.int64))))

@@ -57,7 +57,7 @@ def _request(record: RunRecord, k: int, fork: DivergenceSite | None) -> list[Any
         line += f"; its first {first.shared_tokens:,} tokens are shared with request {first.shared_with}"
     out: list[Any] = [line]
     if fork is not None:
-        this, other = sides(fork, 40)
+        this, other = sides(fork, 40, 24)
         out.append(f"it departs from request {fork.partner} at token {fork.position:,}: {this} vs {other}")
     out.append(rich_table(why.request_table(record, k)))
     return out
@@ -72,7 +72,7 @@ def _run(record: RunRecord, top: int) -> list[Any]:
     if record.divergences:
         out.append(f"Top divergence points (of {len(record.divergences)}), by the prefill tokens they cost:")
         for k, s in enumerate(record.divergences[:top], 1):
-            this, other = sides(s, 28)
+            this, other = sides(s, 24, 16)
             out.append(
                 f"  {k}. position {s.position:,}: {this} vs {other} — {s.requests:,} request(s), "
                 f"{s.tokens:,} tokens lost (e.g. request {s.example} vs {s.partner})"

@@ -78,7 +78,7 @@ def sites_table(sites: list[DivergenceSite] | tuple[DivergenceSite, ...], top: i
     """The top divergence points, most costly first, each with an example request and the earlier one."""
     rows = []
     for k, s in enumerate(sites[:top], 1):
-        this, other = sides(s, 28)
+        this, other = sides(s, 24, 16)
         rows.append(
             [
                 str(k),

@@ -102,12 +102,13 @@ def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def sides(site: DivergenceSite, width: int = 24) -> tuple[str, str]:
-    """The two sides of a divergence point, quoted: the shared text before it, then each request's own text."""
-    before = site.before
-    if len(before) > width or site.position > CONTEXT:  # "…": the prompt goes on before what is shown
-        before = "…" + before[-(width - 1) :]
-    return repr(before + _clip(site.this, width)), repr(before + _clip(site.other, width))
+def sides(site: DivergenceSite, before: int = 20, after: int = 12) -> tuple[str, str]:
+    """The two sides of a divergence point, quoted: up to ``before`` characters of the shared text before it, then
+    up to ``after`` of each request's own text."""
+    head = site.before
+    if len(head) > before or site.position > CONTEXT:  # "…": the prompt goes on before what is shown
+        head = "…" + head[-(before - 1) :]
+    return repr(head + _clip(site.this, after)), repr(head + _clip(site.other, after))
 
 
 # ---- fixes ---------------------------------------------------------------------------------------------------------

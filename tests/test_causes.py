@@ -125,6 +125,14 @@ def test_trace_with_full_blocks_only_has_a_partial_tail():
     assert rows[1].cached_tokens == 8 and causes(rows[1]) == only(partial_block=2)
 
 
+def test_trace_sessions_as_namespaces():
+    # kv-cache-tester sessions are namespaces: the same hash ids in another session were cached, not shared
+    reqs = from_trace(trace_from_lists([[1, 2, 3], [1, 2, 9], [1, 2, 9]], block_size=4, namespace=["a", "b", "b"]))
+    rows = replay(reqs, Capacity(None)).rows
+    assert causes(rows[1]) == only(namespace=8, cold=4) and rows[1].shared_with == 0
+    assert rows[2].cached_tokens == 12 and causes(rows[2]) == only()
+
+
 def test_out_of_order_serving_gives_no_causes():
     reqs = from_trace(trace_from_lists([[1], [2], [3]], block_size=4))
     rep = Replayer(reqs, 8, ReplayPolicy())

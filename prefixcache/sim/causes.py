@@ -57,10 +57,8 @@ import numpy as np
 from prefixcache.core.cache import CommitResult
 from prefixcache.sim.history import History, Shared, covered_by_runs, history_keys, window_hashes
 from prefixcache.sim.lru_stack import LruStack
-from prefixcache.sim.node_trace import canonical_blocks
 from prefixcache.sim.requests import CacheRequests
 from prefixcache.sim.results import CAUSE_FIELDS
-from prefixcache.workload.trace import Trace
 
 CAUSES = tuple(CAUSE_FIELDS)  # cold, evicted, diverged, partial_block, namespace, not_cached
 MIN_RUN = 16  # diverged content must recur in runs of at least max(block_size, MIN_RUN) tokens
@@ -220,46 +218,36 @@ def workload_causes(reqs: CacheRequests) -> WorkloadCauses:
     return wc
 
 
-def _leading_seen(nodes: np.ndarray, offsets: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+def _leading_seen(labels: np.ndarray, offsets: np.ndarray, size: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Per request: how many leading blocks an earlier request referenced, and the first request that referenced
-    the deepest of them (-1: none)."""
+    the deepest of them (-1: none). ``labels`` name the blocks: dense ids below ``size``, or any ids (None)."""
     lens = np.diff(offsets)
     req_of = np.repeat(np.arange(len(lens)), lens)
-    uniq, first_ref = np.unique(nodes, return_index=True)
-    first_req = np.full(max(num_nodes, 1), len(lens), dtype=np.int64)
-    first_req[uniq] = req_of[first_ref]
-    seen = first_req[nodes] < req_of
-    pos = np.where(seen, len(nodes), np.arange(len(nodes)))
+    if size is not None:
+        uniq, first_ref = np.unique(labels, return_index=True)
+        first_req = np.full(max(size, 1), len(lens), dtype=np.int64)
+        first_req[uniq] = req_of[first_ref]
+        by_ref = first_req[labels]
+    else:
+        _, first_ref, inverse = np.unique(labels, return_index=True, return_inverse=True)
+        by_ref = req_of[first_ref][inverse]
+    seen = by_ref < req_of
+    pos = np.where(seen, len(labels), np.arange(len(labels)))
     lead = np.minimum(np.minimum.reduceat(pos, offsets[:-1]), offsets[1:]) - offsets[:-1]
-    deepest = nodes[offsets[:-1] + np.maximum(lead - 1, 0)]
-    owner = np.where(lead > 0, first_req[deepest], -1)
+    owner = np.where(lead > 0, by_ref[offsets[:-1] + np.maximum(lead - 1, 0)], -1)
     return lead, owner
 
 
 def _keys_causes(reqs: CacheRequests) -> WorkloadCauses:
     nt = reqs.node_trace()
-    trace = reqs.trace
-    assert trace is not None
+    assert reqs.keys is not None
     bs = reqs.block_size
     offsets = nt.offsets
-    lead_same, _ = _leading_seen(nt.nodes, offsets, nt.num_nodes)
-    if len(set(reqs.namespace)) > 1:  # the same ids in every namespace as one block
-        free = canonical_blocks(
-            Trace(
-                trace.path,
-                bs,
-                trace.ids,
-                trace.offsets,
-                trace.input_length,
-                trace.output_length,
-                trace.timestamp,
-                [""] * len(trace),
-                trace.lines,
-            )
-        )
-        lead_any, owner_any = _leading_seen(free.nodes, offsets, free.num_nodes)
+    lead_same, owner_same = _leading_seen(nt.nodes, offsets, nt.num_nodes)
+    if len(set(reqs.namespace)) > 1:  # a hash id names its whole prefix: the same id is the same tokens anywhere
+        lead_any, owner_any = _leading_seen(reqs.keys, offsets, None)
     else:
-        lead_any, owner_any = _leading_seen(nt.nodes, offsets, nt.num_nodes)
+        lead_any, owner_any = lead_same, owner_same
     n = np.asarray(reqs.prompt_tokens, dtype=np.int64)
     s = np.minimum(np.diff(offsets) * bs, n)
     same = np.minimum(lead_same * bs, s)

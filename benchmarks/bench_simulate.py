@@ -15,8 +15,9 @@ FILE, not shipped) the kv-cache-tester trace at one capacity, loading included.
 
 Miss causes (``prefixcache.sim.causes``) cost: the same three replays through ``prefixcache.sim.replay.simulate``
 with and without them (``causes=False``), alternating, each on a freshly rendered workload (so the workload's
-part of the analysis is included every time), medians of --repeat; also two token scenarios. The causes
-must not make simulate more than 1.3x slower on the Mooncake traces.
+part of the analysis is included every time), in CPU seconds of this process (robust to other processes on a
+shared machine), medians of --repeat; also two token scenarios (5x the repeats). The causes must not make
+simulate more than 1.3x slower on the Mooncake traces.
 
     python benchmarks/bench_simulate.py [--repeat 3] [--json FILE] [--kvtester FILE --kvtester-blocks N]
 """
@@ -50,13 +51,21 @@ SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 TOKEN_SCENARIOS = ("chat.yaml", "rag.yaml")  # token mode, at 64 and 1,024 blocks and unlimited
 
 
+def cpu_timed(fn):
+    """CPU seconds of this process running ``fn`` (other processes' load on a shared machine barely moves it)."""
+    gc.collect()
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
 def causes_cost(reqs_of, caps, repeat: int) -> dict:
-    """Seconds of ``simulate`` without and with miss causes, alternating, fresh requests each time: medians of
-    each, and the median of the pairs' ratios (each pair ran back to back, under the same machine load)."""
+    """CPU seconds of ``simulate`` without and with miss causes, alternating, fresh requests each time: medians
+    of each, and the median of the pairs' ratios (each pair ran back to back)."""
     without, with_ = [], []
     for _ in range(repeat):
-        without.append(timed(lambda: simulate(reqs_of(), caps, causes=False))[0])
-        with_.append(timed(lambda: simulate(reqs_of(), caps))[0])
+        without.append(cpu_timed(lambda: simulate(reqs_of(), caps, causes=False)))
+        with_.append(cpu_timed(lambda: simulate(reqs_of(), caps)))
     return {
         "without_s": statistics.median(without),
         "with_s": statistics.median(with_),
@@ -207,7 +216,7 @@ def main() -> None:
         )
     console = Console(width=140)
     console.print(table)
-    ctab = Table(title=f"simulate with / without miss causes (3 capacities, median of {args.repeat})")
+    ctab = Table(title=f"simulate with / without miss causes (3 capacities, CPU seconds, median of {args.repeat})")
     for col in ("workload", "requests", "without causes s", "with causes s", "with / without (median pair)"):
         ctab.add_column(col, justify="left" if col == "workload" else "right")
     for r in causes_rows:

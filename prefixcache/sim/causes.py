@@ -353,7 +353,8 @@ class CauseTracker:
                 failed.difference_update(path[commit.first_block : commit.cached_blocks])
             if commit.not_cached:
                 failed.update(path[commit.cached_blocks : commit.cached_blocks + commit.not_cached])
-        return self.intact[i]._replace(evicted=evicted, not_cached=not_cached, reuse_blocks=reuse)
+        u = self.intact[i]
+        return Causes(u[0], evicted, u[2], u[3], u[4], not_cached, reuse, u[7], u[8])
 
 
 # ---- a live cache (the model wrapper) ----------------------------------------------------------------------------

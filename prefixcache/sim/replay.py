@@ -85,8 +85,8 @@ class Replayer:
                 None,
                 None,
                 None,
-                *(NO_CAUSES if causes is None else causes),
             )
+            + (NO_CAUSES if causes is None else causes)
         )
 
 

@@ -142,7 +142,7 @@ def main() -> None:
         rows.append(
             {
                 "measure": f"{args.requests:,} requests in new namespaces: RSS growth",
-                "value": f"{growth:.2f} MB",
+                "value": f"{growth:.2f} MB ({growth * 1024:+.0f} KiB)",
                 "note": f"{r['roots']} namespace roots, {r['cached_blocks']} blocks cached at the end",
                 "growth_mb": growth,
                 **r,

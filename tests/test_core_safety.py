@@ -344,3 +344,22 @@ def test_tokens_of_the_wrong_kind_name_what_was_given(serve, tokens, given):
     assert (cache.num_cached_blocks, cache.stats.as_dict()) == before
     cache.release(m.handle)
     cache.check_integrity()
+
+
+def test_commit_checks_the_ids_it_is_given():
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=2))
+    seq = np.asarray([1, 2, 3, 4, 5, -6, 7], dtype=np.int32)
+    m = cache.match(seq[:4])
+    with pytest.raises(ValueError, match=r"tokens\[5\] is -6"):
+        cache.commit(m.handle, seq)
+    other = seq.copy()
+    other[1] = -2  # the same ids elsewhere in memory: checked again
+    with pytest.raises(ValueError, match=r"tokens\[1\] is -2"):
+        cache.commit(m.handle, other)
+    with pytest.raises(ValueError, match=r"tokens\[0\] is -1"):
+        cache.commit(m.handle, np.asarray([-1, 2, 3, 4, 5], dtype=np.int32)[0:])
+    seq[5] = 6
+    r = cache.commit(m.handle, seq)
+    assert r.cached_blocks == 3 and cache.num_active_requests == 1
+    cache.release(m.handle)
+    cache.check_integrity()

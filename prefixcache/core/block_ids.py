@@ -39,7 +39,7 @@ class Runs:
         return self._len
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.chain.from_iterable(self.pieces)  # type: ignore[arg-type]
+        return itertools.chain.from_iterable(self.pieces)
 
     def __getitem__(self, key: slice) -> BlockIds:
         if not isinstance(key, slice):
@@ -78,11 +78,7 @@ EMPTY_IDS: BlockIds = range(0)
 
 def compact(ids: BlockIds) -> BlockIds:
     """``ids``, or a copy of it when it is an array view of an array more than twice its size."""
-    if type(ids) is np.ndarray:
-        base = ids.base
-        if base is not None and type(base) is np.ndarray and base.size > 2 * ids.size + 8:
-            return ids.copy()
-    return ids
+    return ids if isinstance(ids, Runs) else compact_piece(ids)
 
 
 def make_ids(pieces: list[Piece]) -> BlockIds:
@@ -98,16 +94,18 @@ def make_ids(pieces: list[Piece]) -> BlockIds:
     if len(kept) <= 1:
         return compact(kept[0]) if kept else EMPTY_IDS
     if len(kept) > MAX_PIECES or total < MIN_RUNS_IDS:
-        return np.concatenate([ids_array(p) for p in kept])
+        joined: npt.NDArray[np.int64] = np.concatenate([ids_array(p) for p in kept])
+        return joined
     return Runs(tuple([compact_piece(p) for p in kept]), total)
 
 
 def compact_piece(p: Piece) -> Piece:
     """``compact`` for one piece."""
-    if type(p) is np.ndarray:
+    if isinstance(p, np.ndarray):
         base = p.base
-        if base is not None and type(base) is np.ndarray and base.size > 2 * p.size + 8:
-            return p.copy()
+        if isinstance(base, np.ndarray) and base.size > 2 * p.size + 8:
+            copy: npt.NDArray[np.int64] = p.copy()
+            return copy
     return p
 
 

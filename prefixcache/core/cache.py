@@ -51,7 +51,7 @@ class RequestHandle:
     mode: str  # "tokens" | "keys"
     namespace: str
     terminal: Node | None  # the deepest pinned node (None when nothing is pinned)
-    prompt: Any = field(repr=False)  # token bytes or the key list given to match
+    prompt: Any = field(repr=False)  # the validated int32 token array, or the key list, given to match
     released: bool = False
 
 
@@ -183,17 +183,18 @@ class PrefixCache:
     def match(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> MatchResult:
         """Find and PIN the longest cached prefix of ``tokens``; at least one token is always left uncached.
 
-        Changes the cache: pins the matched path, refreshes its recency, may split a node, counts stats.
+        Changes the cache: pins the matched path, refreshes its recency, may split a node, counts stats. The
+        request keeps ``tokens`` for ``commit`` without copying it when it already is a contiguous int32 array:
+        don't change that array until the request is committed or released.
         """
         arr = as_token_array(tokens)
         n = len(arr)
         if n == 0:
             raise ValueError("tokens is empty: a prompt needs at least one token")
         check_str(namespace, "namespace")
-        data = arr.tobytes()  # the handle keeps a copy: the default commit caches the prompt as given now
         bs = self.block_size
-        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), memoryview(data), (n - 1) // bs)
-        return self._finish_match("tokens", namespace, path, data, n, -(-n // bs))
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), arr.data.cast("B"), (n - 1) // bs)
+        return self._finish_match("tokens", namespace, path, arr, n, -(-n // bs))
 
     def match_keys(
         self,
@@ -307,7 +308,8 @@ class PrefixCache:
         self._check_live(handle)
         if handle.mode != "tokens":
             raise ValueError(f"request {handle.id} was matched by keys; use commit_keys")
-        data = memoryview(handle.prompt) if tokens is None else token_bytes(tokens, valid_prefix=handle.prompt)
+        prompt = handle.prompt
+        data = prompt.data.cast("B") if tokens is None else token_bytes(tokens)
         keep_blocks = None
         if keep_tokens is not None:
             keep_blocks = check_int(keep_tokens, "keep_tokens", minimum=0, type_error=ValueError) // self.block_size

@@ -12,10 +12,10 @@ def check_int(value: Any, name: str, *, minimum: int | None = None, type_error: 
     ``type_error``; raises ValueError when below ``minimum``. The message names ``name`` and the value."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise type_error(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return value
+    out = int(value)
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {out}")
+    return out
 
 
 def check_str(value: Any, name: str) -> str:

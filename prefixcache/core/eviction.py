@@ -129,7 +129,7 @@ class RetentionPolicy:
         self._clock = clock
         self._free = KeyedPolicy(attrgetter("last_access"))
         self._kept: SortedDict = SortedDict()
-        self._kept_keys: dict[int, tuple] = {}
+        self._kept_keys: dict[int, tuple[float, int, int]] = {}
 
     def _retained(self, node: Evictable) -> bool:
         return node.keep_until != NOT_RETAINED and node.keep_until > self._clock()

@@ -17,6 +17,7 @@ from prefixcache.core.checks import check_int, check_str
 TOKEN_DTYPE = np.dtype("<i4")
 TOKEN_BYTES = TOKEN_DTYPE.itemsize
 _MAX_TOKEN = np.iinfo(TOKEN_DTYPE).max
+_MIN = np.minimum.reduce
 
 
 class BlockHasher(Protocol):
@@ -42,7 +43,7 @@ def namespace_root(namespace: str, seed: int) -> bytes:
 
 
 def chain_hashes(
-    hasher: BlockHasher, parent: bytes, data: bytes, block_size: int, start: int, stop: int
+    hasher: BlockHasher, parent: bytes, data: bytes | memoryview, block_size: int, start: int, stop: int
 ) -> list[bytes]:
     """Hashes of blocks ``start..stop-1`` of ``data`` (token bytes), chained from ``parent``."""
     bb = block_size * TOKEN_BYTES
@@ -56,7 +57,7 @@ def chain_hashes(
             append(parent)
         return out
     for off in range(start * bb, stop * bb, bb):
-        parent = hasher(parent, data[off : off + bb])
+        parent = hasher(parent, bytes(data[off : off + bb]))
         append(parent)
     return out
 
@@ -77,20 +78,28 @@ def block_keys(
     return chain_hashes(xxh3_hasher(hash_seed), namespace_root(namespace, hash_seed), data, block_size, 0, n)
 
 
-def token_bytes(tokens: Any, what: str = "tokens", valid_prefix: bytes = b"") -> memoryview:
+def _native(tokens: Any) -> bool:
+    """Whether ``tokens`` is already what the cache stores: a 1-D C-contiguous little-endian int32 array."""
+    return (
+        type(tokens) is np.ndarray
+        and tokens.dtype is TOKEN_DTYPE
+        and tokens.ndim == 1
+        and bool(tokens.flags.c_contiguous)
+    )
+
+
+def _check_sign(arr: np.ndarray, what: str) -> None:
+    """Raise ValueError naming the first negative id of int32 ``arr`` (the only bad ids it can hold)."""
+    if arr.size and _MIN(arr) < 0:
+        bad = int(np.argmax(arr < 0))
+        raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be >= 0")
+
+
+def token_bytes(tokens: Any, what: str = "tokens") -> memoryview:
     """Validated token ids as a byte-format view of little-endian int32 (no copy when ``tokens`` is already
-    a contiguous int32 array; the view must not outlive a change to it). Leading tokens whose bytes equal
-    ``valid_prefix`` (ids validated before, e.g. the prompt of a match) are not checked again."""
-    if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
-        data = memoryview(tokens).cast("B")
-        n = len(valid_prefix)
-        skip = n // TOKEN_BYTES if n and len(data) >= n and valid_prefix.startswith(data[:n]) else 0
-        rest = tokens[skip:]
-        if rest.size and rest.min() < 0:
-            bad = skip + int(np.argmax(rest < 0))
-            raise ValueError(f"{what}[{bad}] is {tokens[bad]}; token ids must be >= 0")
-        return data
-    return memoryview(as_token_array(tokens, what)).cast("B")
+    a contiguous int32 array; the view must not outlive a change to it)."""
+    data: memoryview = as_token_array(tokens, what).data.cast("B")
+    return data
 
 
 def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
@@ -99,11 +108,9 @@ def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
     Accepts a 1-D list/tuple/range of ints, a 1-D integer numpy array, or a 1-D integer CPU tensor.
     Raises TypeError or ValueError naming the problem and, for a bad id, its position.
     """
-    if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
-        if tokens.size and tokens.min() < 0:  # the fast path: already what the cache stores
-            bad = int(np.argmax(tokens < 0))
-            raise ValueError(f"{what}[{bad}] is {tokens[bad]}; token ids must be >= 0")
-        return tokens
+    if _native(tokens):  # the fast path: already what the cache stores
+        _check_sign(tokens, what)
+        return tokens  # type: ignore[no-any-return]
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
     elif not isinstance(tokens, (np.ndarray, list, tuple, range)) and (

@@ -15,6 +15,9 @@ first block to the child (the same object as the child's ``key``):
   or, with ``verify_tokens`` off, served).
 * keys mode: the caller's key of the first block.
 
+Matching inside a node compares token bytes (``common_prefix``: galloping ``startswith`` on zero-copy views,
+memcmp-like), or, with an injected hasher and ``verify_tokens`` off, the blocks' hashes.
+
 Hashes (tokens mode) are computed lazily and cached per node: ``first_hash`` (its first block's chained hash)
 and ``last_hash`` (its last block's); any block's hash is chained from its node's first hash, a node's first
 from its parent's last, a root's last is the namespace's root value. Nothing on the default match / commit /
@@ -92,10 +95,6 @@ class Node:
     @property
     def is_leaf(self) -> bool:
         return not self.children
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
 
     def token_view(self, block_bytes: int) -> memoryview:
         """This node's token bytes (tokens mode), without copying."""

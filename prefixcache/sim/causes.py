@@ -106,10 +106,9 @@ class Unseen(NamedTuple):
     cold: int
 
 
-def servable(mode: str, prompt_tokens: int, lookup_blocks: int, block_size: int) -> int:
-    """The most tokens any cache could serve a prompt (S in the module docstring)."""
-    if mode == "keys":
-        return min(lookup_blocks * block_size, prompt_tokens)
+def servable(prompt_tokens: int, block_size: int) -> int:
+    """The most tokens any cache could serve a token prompt (S in the module docstring: full blocks, and at
+    least one token left for the model)."""
     return ((prompt_tokens - 1) // block_size) * block_size
 
 
@@ -130,7 +129,7 @@ def analyse_prompt(
     it, which history must cover (a live history that forgot older sequences is raised to it). Changes nothing."""
     bs = history.block_size
     n = len(prompt)
-    s = servable("tokens", n, 0, bs)
+    s = servable(n, bs)
     sh = history.query(prompt.tobytes(), namespace, keys)
     same = max(min(sh.blocks_same * bs, s), cached)
     any_ = max(min(sh.blocks_any * bs, s), same)

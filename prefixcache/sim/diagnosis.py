@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from prefixcache.sim.causes import CAUSES, CONTEXT, Fork, workload_causes
+from prefixcache.sim.causes import CAUSES, CONTEXT, Fork, servable, workload_causes
 from prefixcache.sim.requests import CacheRequests
 from prefixcache.sim.results import CAUSE_FIELDS, Row, RunResult
 from prefixcache.workload.render import ByteRenderer
@@ -139,7 +139,7 @@ def partial_at(rows: Iterable[Row], block_size: int) -> int:
     out = 0
     for r in measured(rows):
         n = r.prompt_tokens
-        s = ((n - 1) // block_size) * block_size
+        s = servable(n, block_size)
         out += n - s
         t = r.shared_tokens
         if t is not None and not r.diverged_tokens:
@@ -209,7 +209,7 @@ def _partial_block(c: _Context) -> str:
         if not r.diverged_tokens
         and r.shared_tokens
         and r.shared_tokens % bs
-        and r.shared_tokens < ((r.prompt_tokens - 1) // bs) * bs
+        and r.shared_tokens < servable(r.prompt_tokens, bs)
     )
     if inside:
         t = inside.most_common(1)[0][0]

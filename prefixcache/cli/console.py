@@ -24,8 +24,8 @@ def info(message: str) -> None:
 
 
 def show(renderable: Any) -> None:
-    """Print a result (a rich Table, text) to stdout."""
-    console.print(renderable)
+    """Print a result (a rich Table, plain text: no markup) to stdout."""
+    console.print(renderable, markup=False, highlight=False)
 
 
 class RunProgress:

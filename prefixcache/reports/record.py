@@ -7,29 +7,35 @@ JSON layout, version 2 (``report`` renders it; version 1 files, whose rows were 
      "totals": [ {capacity_tokens, capacity_blocks, pool_blocks, block_size, requests, prompt_tokens,
                   cached_tokens, token_hit_rate, block_hit_rate, ...}, ... ],   # one per capacity
      "runs": [ {"capacity_tokens", "capacity_blocks", "pool_blocks", "block_size", "partial",
-                "rows": {"index": [...], "namespace": [...], ...}}, ... ]}   # rows column by column
+                "rows": {"index": [...], "namespace": [...], ...}}, ... ],  # rows column by column
+     "divergences": [ {position, requests, tokens, example, partner, before, this, other}, ... ]}
 
 A row is one request (``prefixcache.sim.results.Row``); times are seconds, null when not measured;
 ``capacity_*`` are null for an unlimited capacity. ``totals`` are derived from the rows (they are written
-for other readers and recomputed on load).
+for other readers and recomputed on load). Rows say why their uncached tokens missed (``cold_tokens`` ...
+``shared_with``, see ``prefixcache.sim.causes``); ``divergences`` lists the top divergence points of the run
+(``prefixcache.sim.diagnosis.DivergenceSite``; they do not depend on the capacity). Files written before
+these existed load with null causes and no divergences.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefixcache.core.errors import InputError
 from prefixcache.reports.output import write_output
+from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.results import ROW_FIELDS, Row, RunResult
 
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
+TOP_SITES = 50  # divergence points a record keeps
 
 
 def _now() -> str:
@@ -46,6 +52,7 @@ class RunRecord:
     runs: tuple[RunResult, ...]
     partial: bool = False
     created: str = field(default_factory=_now)
+    divergences: tuple[DivergenceSite, ...] = ()  # the top divergence points, most costly first
 
     def totals(self) -> list[dict[str, Any]]:
         """Each run's totals (see ``prefixcache.sim.results.totals``)."""
@@ -57,10 +64,23 @@ class RunRecord:
 
 
 def build_record(
-    command: str, source: str, settings: dict[str, Any], results: list[RunResult], *, partial: bool = False
+    command: str,
+    source: str,
+    settings: dict[str, Any],
+    results: list[RunResult],
+    *,
+    partial: bool = False,
+    divergences: Sequence[DivergenceSite] = (),
 ) -> RunRecord:
     """The record of one command; ``partial`` also when any run was interrupted."""
-    return RunRecord(command, source, settings, tuple(results), bool(partial or any(r.partial for r in results)))
+    return RunRecord(
+        command,
+        source,
+        settings,
+        tuple(results),
+        bool(partial or any(r.partial for r in results)),
+        divergences=tuple(divergences),
+    )
 
 
 def to_json(record: RunRecord) -> dict[str, Any]:
@@ -87,6 +107,7 @@ def to_json(record: RunRecord) -> dict[str, Any]:
         "settings": record.settings,
         "totals": record.totals(),
         "runs": runs,
+        "divergences": [asdict(d) for d in record.divergences],
     }
 
 
@@ -129,9 +150,29 @@ _ROW_SPEC: dict[str, tuple[str, bool]] = {
     "ttft_uncached_s": ("num", True),
     "total_uncached_s": ("num", True),
     "outputs_match": ("bool", True),
+    "cold_tokens": ("int", True),
+    "evicted_tokens": ("int", True),
+    "diverged_tokens": ("int", True),
+    "partial_block_tokens": ("int", True),
+    "namespace_tokens": ("int", True),
+    "not_cached_tokens": ("int", True),
+    "reuse_blocks": ("int", True),
+    "shared_tokens": ("int", True),
+    "shared_with": ("int", True),
 }
 _ROW_DEFAULTS = Row._field_defaults
 assert set(_ROW_SPEC) == set(ROW_FIELDS)
+_SITE_SPEC: dict[str, str] = {
+    "position": "int",
+    "requests": "int",
+    "tokens": "int",
+    "example": "int",
+    "partner": "int",
+    "before": "str",
+    "this": "str",
+    "other": "str",
+}
+assert set(_SITE_SPEC) == set(DivergenceSite.__dataclass_fields__)
 
 
 class _Reader:
@@ -229,6 +270,10 @@ class _Reader:
             if not isinstance(t, dict):
                 raise self.fail(f"totals[{k}]", f"expected an object, got {type(t).__name__}")
         runs = tuple(self.run(r, f"runs[{k}]", version) for k, r in enumerate(raw["runs"]))
+        sites = raw.get("divergences", [])
+        if not isinstance(sites, list):
+            raise self.fail("record.divergences", f"expected a list, got {type(sites).__name__}")
+        divergences = tuple(self.site(d, f"divergences[{k}]") for k, d in enumerate(sites))
         source = raw.get("source")
         return RunRecord(
             command,
@@ -237,7 +282,13 @@ class _Reader:
             runs,
             bool(raw.get("partial", False)),
             str(raw.get("created", "?")),
+            divergences,
         )
+
+    def site(self, raw: Any, where: str) -> DivergenceSite:
+        if not isinstance(raw, dict):
+            raise self.fail(where, f"expected an object, got {type(raw).__name__}")
+        return DivergenceSite(**{key: self.get(raw, key, where, kind) for key, kind in _SITE_SPEC.items()})
 
 
 _MISSING: Any = object()

@@ -4,7 +4,9 @@ Every model-free caller goes through here: ``prefixcache simulate``, the policy 
 benchmarks, and anything later (a cluster of replicas drives several :class:`Replayer` s). Per request:
 the cache's clock moves to the request's timestamp (milliseconds -> seconds; requests without one keep
 the previous time), then ``match`` (or ``match_keys``), ``commit`` (or ``commit_keys``, with the policy's
-``keep_for``), ``release`` — see ``prefixcache.sim.requests`` for what is looked up and committed.
+``keep_for``), ``release`` — see ``prefixcache.sim.requests`` for what is looked up and committed. Each row
+also says why its uncached tokens missed (``prefixcache.sim.causes``: the workload's part is computed once
+and shared by every replay of it; a :class:`CauseTracker` follows this cache for the rest).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from prefixcache.core import CacheConfig, PrefixCache
+from prefixcache.sim.causes import CauseTracker, workload_causes
 from prefixcache.sim.policy import Capacity, ReplayPolicy
 from prefixcache.sim.requests import CacheRequests
-from prefixcache.sim.results import Row, RunResult
+from prefixcache.sim.results import NO_CAUSES, Row, RunResult
 
 OnRow = Callable[[Row, PrefixCache], None]  # the row just served, and the cache that served it
 OnStart = Callable[[Capacity, int], None]
@@ -23,14 +26,19 @@ UNLIMITED_POOL_BLOCKS = 2**60  # an unlimited capacity: never full, and free (th
 
 
 class Replayer:
-    """One cache of ``pool_blocks`` blocks that serves ``reqs``' requests one at a time (``serve(i)``)."""
+    """One cache of ``pool_blocks`` blocks that serves ``reqs``' requests one at a time (``serve(i)``).
 
-    def __init__(self, reqs: CacheRequests, pool_blocks: int, policy: ReplayPolicy) -> None:
+    Rows carry miss causes while requests are served in order 0, 1, 2, ... (as :func:`replay` does); after a
+    request served out of order, the causes are None (the tracker would otherwise guess). ``causes=False``
+    leaves them out (None) for callers that never read them (plan's policy replays, benchmarks)."""
+
+    def __init__(self, reqs: CacheRequests, pool_blocks: int, policy: ReplayPolicy, *, causes: bool = True) -> None:
         self.reqs = reqs
         self.policy = policy
         self.now = 0.0  # the cache's clock, seconds of trace time
         config = CacheConfig(num_blocks=pool_blocks, block_size=reqs.block_size, eviction=policy.eviction)
         self.cache = PrefixCache(config, clock=self.clock)
+        self.causes = CauseTracker(workload_causes(reqs)) if causes else None
 
     def clock(self) -> float:
         """The time retention is measured on: the last served request's timestamp, in seconds."""
@@ -58,19 +66,28 @@ class Replayer:
                 c = cache.commit(m.handle, reqs.commits[i], keep_for=self.policy.keep_for)
             finally:
                 cache.release(m.handle)
-        return Row(
-            i,
-            ns,
-            reqs.prompt_tokens[i],
-            m.cached_tokens,
-            reqs.lookup_blocks[i],
-            m.cached_blocks,
-            c.cached_blocks - c.first_block,
-            stats.blocks_evicted - evicted0,
-            cache.num_cached_blocks,
-            warmup,
-            ts,
-            reqs.output_tokens[i],
+        causes = None if self.causes is None else self.causes.observe(i, m.cached_tokens, c)
+        return Row._make(
+            (
+                i,
+                ns,
+                reqs.prompt_tokens[i],
+                m.cached_tokens,
+                reqs.lookup_blocks[i],
+                m.cached_blocks,
+                c.cached_blocks - c.first_block,
+                stats.blocks_evicted - evicted0,
+                cache.num_cached_blocks,
+                warmup,
+                ts,
+                reqs.output_tokens[i],
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+            + (NO_CAUSES if causes is None else causes)
         )
 
 
@@ -81,18 +98,20 @@ def replay(
     *,
     pool_blocks: int | None = None,
     on_row: OnRow | None = None,
+    causes: bool = True,
 ) -> RunResult:
     """Replay every request of ``reqs`` in order through a fresh cache of ``capacity``.
 
     An unlimited capacity is a pool of ``UNLIMITED_POOL_BLOCKS`` (the core allocates nothing up front, so
     it costs only what is cached); ``pool_blocks`` overrides that.
-    A KeyboardInterrupt stops the replay; the rows so far come back with ``partial=True``.
+    A KeyboardInterrupt stops the replay; the rows so far come back with ``partial=True``. ``causes``: see
+    :class:`Replayer`.
     """
     if capacity.blocks is not None:
         pool = capacity.blocks
     else:
         pool = pool_blocks if pool_blocks is not None else UNLIMITED_POOL_BLOCKS
-    rep = Replayer(reqs, pool, policy)
+    rep = Replayer(reqs, pool, policy, causes=causes)
     first = policy.measured_from(len(reqs))
     rows: list[Row] = []
     partial = False
@@ -114,13 +133,15 @@ def simulate(
     *,
     on_start: OnStart | None = None,
     on_row: OnRow | None = None,
+    causes: bool = True,
 ) -> list[RunResult]:
-    """One replay per capacity (a sweep), in the given order; stops after a replay that was interrupted."""
+    """One replay per capacity (a sweep), in the given order; stops after a replay that was interrupted. The
+    workload's part of the miss causes is computed once, for every capacity (``causes``: see :class:`Replayer`)."""
     results = []
     for cap in capacities:
         if on_start is not None:
             on_start(cap, len(reqs))
-        r = replay(reqs, cap, policy, on_row=on_row)
+        r = replay(reqs, cap, policy, on_row=on_row, causes=causes)
         results.append(r)
         if r.partial:
             break

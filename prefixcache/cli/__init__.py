@@ -16,6 +16,7 @@ from typing import Any
 import typer
 
 from prefixcache.cli import console
+from prefixcache.cli import serve as serve_cli
 from prefixcache.core.errors import InputError
 from prefixcache.core.eviction import POLICIES
 from prefixcache.reports.record import RunResult, build_record, load_record, save_record
@@ -352,6 +353,7 @@ def report(
         console.info(f"Markdown report written to {to_markdown(record, markdown)[0]}")
 
 
+serve_cli.register(app)  # prefixcache/cli/serve.py; the engine, FastAPI and Ray load only inside the command
 try:  # the capacity planner lives in its own module; the CLI works without it
     from prefixcache.cli import plan as plan_cli
 

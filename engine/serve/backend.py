@@ -1,0 +1,92 @@
+"""What the app talks to: a ``Backend`` runs ``GenerateCall``s. ``LocalBackend`` is one process (a ``Batcher``
+over one ``PrefixCachedModel``); ``engine.serve.ray_app.RayBackend`` sends calls to Ray Serve replicas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.serve.batcher import Batcher, StreamItem
+from engine.serve.metrics import replica_figures
+from engine.serve.protocol import GenerateCall
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the app needs to know of the model without running it."""
+
+    model_id: str
+    tokenizer: Any
+    context_length: int | None  # None: the config names no limit
+    vocab_size: int
+    default_temperature: float  # 0.0 (greedy) unless the model's generation config samples
+
+
+class Backend(Protocol):
+    info: ModelInfo
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stream(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+        """New token ids as they come, then one ``Finished``; closing it early cancels the call."""
+        ...
+
+    async def refresh(self) -> None:
+        """Fetch fresh per-replica figures (for /metrics); a no-op where they are local."""
+        ...
+
+    def figures(self) -> Mapping[str, Mapping[str, Any]]:
+        """Each replica's figures (cache, queue, batches) as of the last refresh."""
+        ...
+
+
+def context_length(config: Any) -> int | None:
+    """The longest sequence a model config allows (prompt + generated), or None."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def model_info(model_id: str, model: Any, tokenizer: Any) -> ModelInfo:
+    """``ModelInfo`` of a loaded model and its tokenizer."""
+    gc = model.generation_config
+    temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
+    return ModelInfo(model_id, tokenizer, context_length(model.config), int(model.config.vocab_size), temperature)
+
+
+def load_wrapped(model: str, *, max_cached_tokens: int | None, block_size: int, seed: int = 0) -> Any:
+    """A ``PrefixCachedModel`` of a preset name or a local model directory, with ``.tokenizer``."""
+    from engine import PrefixCachedModel
+
+    return PrefixCachedModel.from_pretrained(
+        model, seed=seed, max_cached_tokens=max_cached_tokens, block_size=block_size
+    )
+
+
+class LocalBackend:
+    """One process: calls go to a ``Batcher`` over ``pcm`` (a ``PrefixCachedModel`` with ``.tokenizer``)."""
+
+    def __init__(self, pcm: Any, model_id: str, *, max_batch_size: int = 8, batch_wait_ms: float = 5.0) -> None:
+        self.pcm = pcm
+        self.info = model_info(model_id, pcm.model, pcm.tokenizer)
+        self.batcher = Batcher(pcm, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+
+    async def start(self) -> None:
+        await self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+
+    def stream(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+        return self.batcher.stream(call)
+
+    async def refresh(self) -> None:
+        return None
+
+    def figures(self) -> dict[str, dict[str, Any]]:
+        return {"local": replica_figures(self.batcher.cache_stats, self.batcher.stats())}

@@ -59,6 +59,26 @@ def model_info(model_id: str, model: Any, tokenizer: Any) -> ModelInfo:
     return ModelInfo(model_id, tokenizer, context_length(model.config), int(model.config.vocab_size), temperature)
 
 
+def describe_model(model: str) -> ModelInfo:
+    """``ModelInfo`` of a preset name or a local model directory, without loading weights (a Ray ingress
+    tokenizes and checks lengths; the replicas hold the model)."""
+    from engine.models import PRESETS, byte_tokenizer
+
+    if model in PRESETS:
+        p = PRESETS[model]
+        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    try:
+        gc = GenerationConfig.from_pretrained(model, local_files_only=True)
+    except OSError:  # no generation_config.json: transformers' defaults (greedy)
+        gc = GenerationConfig()
+    temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
+    return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature)
+
+
 def load_wrapped(model: str, *, max_cached_tokens: int | None, block_size: int, seed: int = 0) -> Any:
     """A ``PrefixCachedModel`` of a preset name or a local model directory, with ``.tokenizer``."""
     from engine import PrefixCachedModel

@@ -57,7 +57,10 @@ def register(app: typer.Typer) -> None:
             None, "--address", help="Ray cluster to join (default: start a local Ray instance)."
         ),
         router: str = typer.Option(
-            "prefix_balanced", "--router", help="Routing policy across replicas (prefixcache.sim.routing)."
+            "prefix_balanced",
+            "--router",
+            help="Routing across replicas: round_robin, least_loaded, prefix, prefix_balanced (prefixcache.sim."
+            "routing, run by PrefixAwareRouter) or ray_default (Ray Serve's power-of-two-choices router).",
         ),
         router_abs_threshold: float = typer.Option(
             64, "--router-abs-threshold", min=0.0, help="Load guard: queue difference that counts as imbalance."
@@ -77,8 +80,9 @@ def register(app: typer.Typer) -> None:
         if replicas > 1:
             from prefixcache.sim.routing import ROUTING_POLICIES
 
-            if router not in ROUTING_POLICIES:
-                console.error(f"--router: unknown policy {router!r}; known: {', '.join(ROUTING_POLICIES)}")
+            known = [*ROUTING_POLICIES, "ray_default"]
+            if router not in known:
+                console.error(f"--router: unknown policy {router!r}; known: {', '.join(known)}")
                 raise typer.Exit(EXIT_USAGE)
         if address is not None and replicas < 2:
             console.error("--address joins a Ray cluster: it needs --replicas N with N >= 2")
@@ -104,8 +108,8 @@ def register(app: typer.Typer) -> None:
                 _require("ray.serve")
                 from engine.serve.ray_app import RayConfig, run_ray
 
-                guard = (router_abs_threshold, router_rel_threshold)
-                status = run_ray(cfg, RayConfig(replicas, address, router, *guard))
+                rcfg = RayConfig(replicas, address, router, router_abs_threshold, router_rel_threshold)
+                status = run_ray(cfg, rcfg)
         except ValueError as exc:  # a bad model name or size, found while loading
             console.error(str(exc))
             raise typer.Exit(EXIT_USAGE) from None

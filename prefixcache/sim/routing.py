@@ -129,6 +129,22 @@ class ClusterIndex:
                 del m[k]
         self._held[replica] -= len(e.keys)
 
+    def discard(self, replica: ReplicaId, mode: str, namespace: str, keys: Iterable[Key]) -> None:
+        """Drop whichever of ``keys`` ``replica`` holds, ignoring the others: the lenient removal for a replica
+        whose events went out of sync (the index may under-claim, never over-claim)."""
+        if replica not in self._bit:
+            return
+        bit = 1 << self._bit[replica]
+        m = self._maps.get((mode, namespace), {})
+        for k in keys:
+            mask = m.get(k, 0)
+            if mask & bit:
+                self._held[replica] -= 1
+                if mask & ~bit:
+                    m[k] = mask & ~bit
+                else:
+                    del m[k]
+
     def _drop_all(self, replica: ReplicaId) -> None:
         bit = 1 << self._bit[replica]
         for m in self._maps.values():
@@ -228,6 +244,8 @@ class _Turns:
         self.turn = 0
 
     def pick(self, tied: Sequence[ReplicaId]) -> ReplicaId:
+        if len(tied) == 1:
+            return tied[0]
         choice = tied[self.turn % len(tied)]
         self.turn += 1
         return choice

@@ -1,0 +1,168 @@
+"""Prefix-aware routing on Ray Serve: thin glue around ``prefixcache.sim.routing``.
+
+``IndexHolder`` (run as one named Ray actor per deployment) keeps the ``ClusterIndex``: every model replica
+publishes its cache events there after each batch, in order (numbered; a replica resends what was not
+acknowledged, the holder skips what it has applied). ``PrefixAwareRouter`` is the deployment's Ray Serve
+``RequestRouter``: for each request it asks the holder how many leading blocks of the prompt each replica
+holds, reads the replicas' queue lengths from Ray, and lets the routing policy choose. Ray's own
+``PrefixCacheAffinityRouter`` keeps an approximate text tree of what it *sent*; this index holds what the
+replicas *cache*, so an eviction is seen as soon as it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from engine.serve.protocol import GenerateCall
+from prefixcache.core.events import BlocksRemoved
+from prefixcache.sim.routing import CacheEvent, ClusterIndex, IndexSyncError, LoadGuard, make_policy, prompt_keys
+
+logger = logging.getLogger("ray.serve")
+INDEX_NAMESPACE = "prefixcache"
+
+
+class IndexHolder:
+    """The cluster index of one deployment, fed by its replicas' cache events (a Ray actor; calls run one at a
+    time). ``fingerprint`` is the model's (the wrapper namespaces its cache as ``f"{fingerprint}:{namespace}"``)."""
+
+    def __init__(self, block_size: int, hash_seed: int = 0) -> None:
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.index = ClusterIndex()
+        self.fingerprint: str | None = None
+        self.applied: dict[str, int] = {}  # replica -> last applied batch number
+        self._figures: dict[str, dict[str, Any]] = {}
+        self._decisions: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self.desyncs = 0
+
+    def publish(
+        self,
+        replica: str,
+        fingerprint: str,
+        batches: Sequence[tuple[int, Sequence[CacheEvent]]],
+        figures: dict[str, Any],
+    ) -> int:
+        """Apply ``replica``'s event batches numbered above the last one applied, in order; returns the last
+        number applied (the replica drops what is acknowledged)."""
+        if self.fingerprint is None:
+            self.fingerprint = fingerprint
+        elif fingerprint != self.fingerprint:
+            raise ValueError(f"replica {replica} serves another model ({fingerprint} != {self.fingerprint})")
+        last = self.applied.get(replica, 0)
+        for number, events in batches:
+            if number <= last:
+                continue
+            if number != last + 1:  # batches were lost: what this replica holds is no longer known
+                self._desync(replica, f"batch {number} after {last}")
+            for event in events:
+                self._apply(replica, event)
+            last = number
+        self.applied[replica] = last
+        self._figures[replica] = figures
+        return last
+
+    def _apply(self, replica: str, event: CacheEvent) -> None:
+        try:
+            self.index.apply(replica, event)
+        except IndexSyncError as exc:
+            self._desync(replica, str(exc))
+            if isinstance(event, BlocksRemoved):  # never claim a block that is gone
+                self.index.discard(replica, event.mode, event.namespace, event.keys)
+
+    def _desync(self, replica: str, why: str) -> None:
+        """Drop what the index says of ``replica``; it re-learns from its next stores (under-claiming meanwhile)."""
+        logger.warning("prefixcache index: replica %s out of sync (%s); forgetting its blocks", replica, why)
+        self.desyncs += 1
+        self.index.forget(replica)
+        self.index.add_replica(replica)
+
+    def match(self, prompt: Sequence[int], namespace: str) -> dict[str, int]:
+        """Leading blocks of ``prompt`` (tenant ``namespace``) each replica holds, as its ``match`` would serve."""
+        if self.fingerprint is None or len(prompt) == 0:
+            return {}
+        space = f"{self.fingerprint}:{namespace}"
+        keys = prompt_keys(prompt, space, block_size=self.block_size, hash_seed=self.hash_seed)
+        return {str(r): n for r, n in self.index.match(keys, space).items()}
+
+    def forget(self, replica: str) -> None:
+        """A replica is gone: drop its blocks and figures."""
+        self.index.forget(replica)
+        self.applied.pop(replica, None)
+        self._figures.pop(replica, None)
+
+    def record(self, request_id: str, replica: str, matched_blocks: int, reason: str) -> None:
+        self._decisions.append(
+            {"request_id": request_id, "replica": replica, "matched_blocks": matched_blocks, "reason": reason}
+        )
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """The routing decisions recorded so far (the latest 10,000)."""
+        return list(self._decisions)
+
+    def figures(self) -> dict[str, dict[str, Any]]:
+        """Each replica's figures as of its last publish, with the blocks the index says it holds."""
+        return {r: {**f, "index_blocks": self.index.num_blocks(r)} for r, f in self._figures.items()}
+
+
+def call_of(pending: PendingRequest | None) -> GenerateCall | None:
+    """The ``GenerateCall`` a pending request carries (its first argument), if any."""
+    if pending is None or not pending.args:
+        return None
+    arg = pending.args[0]
+    return arg if isinstance(arg, GenerateCall) else None
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Ray Serve request router: the replica the prefixcache routing policy picks, then the others by load.
+
+    ``request_router_kwargs``: ``index_name`` (the ``IndexHolder`` actor), ``policy`` (a name in
+    ``prefixcache.sim.routing.ROUTING_POLICIES``), ``abs_threshold`` / ``rel_threshold`` (the load guard).
+    """
+
+    def initialize_state(
+        self, index_name: str, policy: str = "prefix_balanced", abs_threshold: float = 64, rel_threshold: float = 1.5
+    ) -> None:
+        import ray
+
+        self._index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
+        self._policy = make_policy(policy, LoadGuard(abs_threshold, rel_threshold))
+
+    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, float]:
+        """Each replica's queue length: Ray's cached figure, else a probe (unanswered: full)."""
+        loads: dict[str, float] = {}
+        missing = []
+        for r in replicas:
+            q = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            if q is None:
+                missing.append(r)
+            else:
+                loads[r.replica_id.unique_id] = float(q)
+        if missing:
+            for r, q in await self._probe_queue_lens(missing, 0):
+                loads[r.replica_id.unique_id] = float(r.max_ongoing_requests if q is None else q)
+        return loads
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        call = call_of(pending_request)
+        if call is None or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        order = sorted(by_id)
+        loads = await self._loads(candidate_replicas)
+        matched = await self._index.match.remote(call.prompt, call.namespace) if self._policy.uses_index else {}
+        decision = self._policy.choose(order, matched, loads)
+        chosen = str(decision.replica)
+        self._index.record.remote(call.request_id, chosen, decision.matched_blocks, decision.reason)
+        rest = sorted((r for r in order if r != chosen), key=lambda r: loads.get(r, 0.0))
+        return [[by_id[chosen]], [by_id[r] for r in rest]]
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._index.forget.remote(replica_id.unique_id)

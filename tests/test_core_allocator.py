@@ -9,10 +9,10 @@ from prefixcache.core.allocator import BlockAllocator
 
 def test_free_queue_is_oldest_freed_first():
     a = BlockAllocator(5)
-    assert a.allocate(3) == [0, 1, 2]
+    assert list(a.allocate(3)) == [0, 1, 2]
     a.decref([2, 0])
     assert a.free_ids() == [3, 4, 2, 0]
-    assert a.allocate(3) == [3, 4, 2]
+    assert list(a.allocate(3)) == [3, 4, 2]
     a.check_integrity()
 
 

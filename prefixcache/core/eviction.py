@@ -9,14 +9,17 @@ that look at retention use it).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from sortedcontainers import SortedDict
 
 Clock = Callable[[], float]
 NOT_RETAINED = -math.inf  # a node's keep_until when nobody asked to keep it
+_GONE = object()  # "not in the set" (keys may be anything comparable)
 
 
 class Evictable(Protocol):
@@ -48,40 +51,57 @@ class EvictionPolicy(Protocol):
 
 
 class KeyedPolicy:
-    """An evictable set ordered by ``key(node)``, ties broken by node id; a SortedDict underneath."""
+    """An evictable set ordered by ``(key(node), node.id)``, victim first.
+
+    A binary heap of ``(key, id, seq, node)`` entries with lazy deletion: ``_live`` maps the id of every node
+    in the set to its key; ``remove`` only forgets the id, and entries whose id is gone (or re-added under
+    another key) are dropped when they reach the top, or all at once when they outnumber live ones.
+    add/remove/peek cost O(log n) C-level heap steps; iteration sorts (for tests and integrity checks).
+    """
 
     name = "keyed"
 
     def __init__(self, key: Callable[[Evictable], Hashable]) -> None:
         self._key = key
-        self._order: SortedDict = SortedDict()
-        self._keys: dict[int, tuple] = {}
+        self._heap: list[tuple[Any, int, int, Evictable]] = []
+        self._live: dict[int, Any] = {}
+        self._seq = itertools.count()
 
     def add(self, node: Evictable) -> None:
-        if node.id in self._keys:
+        if node.id in self._live:
             raise AssertionError(f"node {node.id} is already evictable")
-        k = (self._key(node), node.id)
-        self._keys[node.id] = k
-        self._order[k] = node
+        k = self._key(node)
+        self._live[node.id] = k
+        heapq.heappush(self._heap, (k, node.id, next(self._seq), node))
 
     def remove(self, node: Evictable) -> None:
-        k = self._keys.pop(node.id, None)
-        if k is not None:
-            del self._order[k]
+        if self._live.pop(node.id, _GONE) is not _GONE and len(self._heap) > 2 * len(self._live) + 64:
+            live = self._live
+            self._heap = [e for e in self._heap if live.get(e[1], _GONE) == e[0]]
+            heapq.heapify(self._heap)
 
     def peek(self) -> Evictable | None:
-        if not self._order:
-            return None
-        return self._order.peekitem(0)[1]
+        heap, live = self._heap, self._live
+        while heap:
+            k, i, _seq, node = heap[0]
+            if live.get(i, _GONE) == k:
+                return node
+            heapq.heappop(heap)
+        return None
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._live)
 
     def __contains__(self, node: object) -> bool:
-        return getattr(node, "id", None) in self._keys
+        return getattr(node, "id", None) in self._live
 
     def __iter__(self) -> Iterator[Evictable]:
-        return iter(list(self._order.values()))
+        live = self._live
+        best: dict[int, tuple[Any, int, int, Evictable]] = {}
+        for e in self._heap:
+            if live.get(e[1], _GONE) == e[0]:
+                best.setdefault(e[1], e)
+        return iter([e[3] for e in sorted(best.values(), key=lambda e: (e[0], e[1]))])
 
 
 def lru(clock: Clock | None = None) -> EvictionPolicy:

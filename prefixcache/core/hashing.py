@@ -6,11 +6,13 @@ namespaces never produce the same chain. Token ids travel as little-endian int32
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 import xxhash
+
+from prefixcache.core.checks import check_int, check_str
 
 TOKEN_DTYPE = np.dtype("<i4")
 TOKEN_BYTES = TOKEN_DTYPE.itemsize
@@ -59,16 +61,59 @@ def chain_hashes(
     return out
 
 
+def block_keys(
+    tokens: Any, namespace: str, *, block_size: int, hash_seed: int = 0, max_blocks: int | None = None
+) -> list[bytes]:
+    """The chained keys (16-byte xxh3_128 digests) of the full blocks of ``tokens`` in ``namespace``, exactly
+    as a PrefixCache with this ``block_size`` and ``hash_seed`` computes them (e.g. in ``BlocksStored`` events),
+    at most ``max_blocks`` of them. For a router that mirrors caches. Changes nothing."""
+    check_str(namespace, "namespace")
+    block_size = check_int(block_size, "block_size", minimum=1)
+    hash_seed = check_int(hash_seed, "hash_seed", minimum=0)
+    data = as_token_array(tokens).tobytes()
+    n = len(data) // (block_size * TOKEN_BYTES)
+    if max_blocks is not None:
+        n = min(n, check_int(max_blocks, "max_blocks", minimum=0))
+    return chain_hashes(xxh3_hasher(hash_seed), namespace_root(namespace, hash_seed), data, block_size, 0, n)
+
+
+def token_bytes(tokens: Any, what: str = "tokens", valid_prefix: bytes = b"") -> memoryview:
+    """Validated token ids as a byte-format view of little-endian int32 (no copy when ``tokens`` is already
+    a contiguous int32 array; the view must not outlive a change to it). Leading tokens whose bytes equal
+    ``valid_prefix`` (ids validated before, e.g. the prompt of a match) are not checked again."""
+    if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        data = memoryview(tokens).cast("B")
+        n = len(valid_prefix)
+        skip = n // TOKEN_BYTES if n and len(data) >= n and valid_prefix.startswith(data[:n]) else 0
+        rest = tokens[skip:]
+        if rest.size and rest.min() < 0:
+            bad = skip + int(np.argmax(rest < 0))
+            raise ValueError(f"{what}[{bad}] is {tokens[bad]}; token ids must be >= 0")
+        return data
+    return memoryview(as_token_array(tokens, what)).cast("B")
+
+
 def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
     """Validate token ids and return them as a contiguous int32 array.
 
     Accepts a 1-D list/tuple/range of ints, a 1-D integer numpy array, or a 1-D integer CPU tensor.
     Raises TypeError or ValueError naming the problem and, for a bad id, its position.
     """
-    if isinstance(tokens, (str, bytes)):
-        raise TypeError(f"{what} must be a 1-D sequence of integer token ids, got {type(tokens).__name__}")
+    if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        if tokens.size and tokens.min() < 0:  # the fast path: already what the cache stores
+            bad = int(np.argmax(tokens < 0))
+            raise ValueError(f"{what}[{bad}] is {tokens[bad]}; token ids must be >= 0")
+        return tokens
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
+    elif not isinstance(tokens, (np.ndarray, list, tuple, range)) and (
+        isinstance(tokens, (str, bytes, bytearray, Mapping))
+        or not (hasattr(tokens, "__len__") and hasattr(tokens, "__getitem__"))
+    ):  # None, a number, a set, a dict, an iterator or generator: say what was given, not "shape ()"
+        raise TypeError(
+            f"{what} must be a 1-D sequence of integer token ids, got {type(tokens).__name__} "
+            "(pass a list, tuple, numpy array or tensor)"
+        )
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:  # ragged nesting

@@ -6,13 +6,15 @@ chat scenario against ``prefixcache serve`` in four set-ups:
 (c) 2 Ray Serve replicas, pool P each, Ray's default router (power of two choices);
 (d) 2 Ray Serve replicas, pool P each, ``PrefixAwareRouter`` (prefix_balanced).
 
-Each client plays whole conversations, turn after turn, the model's replies joining the history. Reported:
-requests/s, cluster token hit rate (sum of ``cached_tokens`` / sum of prompt tokens, from the responses' usage),
-time to first token p50/p99 (client side), requests per replica (from /metrics) and their max/min.
+Each client plays whole conversations, turn after turn, the model's replies joining the history. Reported,
+as medians over rounds of fresh conversations (the one-process set-ups run side by side, round after round, so
+that the machine's drifting load hits both alike): requests/s, cluster token hit rate (sum of ``cached_tokens``
+/ sum of prompt tokens, from the responses' usage), time to first token p50/p99 (client side), mean batch
+size, server CPU per request (one process only), requests per replica (from /metrics) and their max/min.
 Targets: (b) >= 1.5x (a) requests/s; (d) hit rate >= 1.5x (c)'s and >= 0.9x (b)'s, max/min <= 1.5.
 Every server is a ``prefixcache serve`` subprocess on 127.0.0.1; each set-up is bounded in requests and seconds.
 
-    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--json FILE]
+    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import statistics
@@ -30,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,8 +79,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(args: list[str], log: Path, startup_s: float) -> Iterator[str]:
-    """``prefixcache serve ARGS`` on a free port until /health answers; SIGTERM (then kill) afterwards."""
+def server(args: list[str], log: Path, startup_s: float) -> Iterator[tuple[str, int]]:
+    """``prefixcache serve ARGS`` on a free port until /health answers, as (URL, pid); SIGTERM (then kill)
+    afterwards."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-c", "from prefixcache.cli import main; main()", "serve", *args, "--port", str(port)]
@@ -93,9 +97,10 @@ def server(args: list[str], log: Path, startup_s: float) -> Iterator[str]:
                 except httpx.TransportError:
                     pass
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start ({' '.join(args)}); see {log}")
+                    tail = "\n".join(log.read_text().splitlines()[-40:])
+                    raise RuntimeError(f"server did not start ({' '.join(args)}); the end of its log:\n{tail}")
                 time.sleep(0.25)
-            yield url
+            yield url, proc.pid
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -105,11 +110,11 @@ def server(args: list[str], log: Path, startup_s: float) -> Iterator[str]:
                 proc.wait()
 
 
-def conversations(args: argparse.Namespace) -> list[tuple[str, list[list[dict]]]]:
+def conversations(args: argparse.Namespace, seed: int) -> list[tuple[str, list[list[dict]]]]:
     """(cache salt, turns) per conversation; a turn is the list of its new messages."""
     reqs = generate(
         "chat",
-        seed=args.seed,
+        seed=seed,
         users=args.users,
         turns=args.turns,
         system_prompt_tokens=args.system_tokens,
@@ -139,8 +144,11 @@ def counters(url: str) -> dict[str, dict[str, float]]:
     return {n: replica_series(url, n) for n in names}
 
 
-def play(url: str, model: str, convs: list, clients: int, max_tokens: int, budget_s: float) -> tuple[Result, float]:
-    """K client threads play the conversations (each one turn after turn); returns the result and wall seconds."""
+def play(
+    url: str, model: str, convs: list, clients: int, max_tokens: int, budget_s: float, think_ms: float, seed: int
+) -> tuple[Result, float]:
+    """K client threads play the conversations, each one turn after turn with a pause (uniform in 0..2x
+    ``think_ms``) before every turn but the first; returns the result and wall seconds."""
     todo: queue.Queue = queue.Queue()
     for c in convs:
         todo.put(c)
@@ -148,7 +156,8 @@ def play(url: str, model: str, convs: list, clients: int, max_tokens: int, budge
     lock = threading.Lock()
     stop_at = time.monotonic() + budget_s
 
-    def client() -> None:
+    def client(k: int) -> None:
+        rng = random.Random(seed * 1000 + k)
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         while time.monotonic() < stop_at:
             try:
@@ -157,6 +166,8 @@ def play(url: str, model: str, convs: list, clients: int, max_tokens: int, budge
                 return
             history: list[dict] = []
             for new in turns:
+                if history:
+                    time.sleep(rng.uniform(0, 2 * think_ms) / 1000)  # the user reads, then types
                 if time.monotonic() >= stop_at:
                     return
                 history += new
@@ -193,7 +204,7 @@ def play(url: str, model: str, convs: list, clients: int, max_tokens: int, budge
                         result.prompt_tokens += usage.prompt_tokens
                         result.cached_tokens += usage.prompt_tokens_details.cached_tokens
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -221,24 +232,23 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def run_setup(setup: Setup, args: argparse.Namespace, convs: list, logdir: Path) -> dict:
-    pool = setup.pool_factor * args.replica_cache_tokens
-    cli = [*setup.args, "--model", args.model, "--max-cached-tokens", str(pool), "--batch-wait-ms", "2"]
-    with server(cli, logdir / f"server_{setup.key}.log", args.startup_s) as url:
-        warm_up(url, args.model)
-        before = counters(url)
-        result, wall = play(url, args.model, convs, args.clients, args.max_tokens, args.budget_s)
-        after = counters(url)
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, pid: int | None, args: argparse.Namespace, convs: list) -> dict:
+    """One round of load on one server: its figures."""
+    before, cpu0 = counters(url), cpu_seconds(pid) if pid else None
+    result, wall = play(url, args.model, convs, args.clients, args.max_tokens, args.budget_s, args.think_ms, args.seed)
+    after, cpu1 = counters(url), cpu_seconds(pid) if pid else None
 
     def delta(name: str) -> dict[str, float]:
         return {r: v - before[name].get(r, 0.0) for r, v in after[name].items()}
 
-    per_replica = sorted(delta("prefixcache_cache_lookups_total").values())
     batches = sum(delta("prefixcache_batches_total").values())
     return {
-        "setup": setup.key,
-        "label": setup.label,
-        "pool_tokens_per_process": pool,
         "requests": result.requests,
         "errors": result.errors,
         "wall_s": wall,
@@ -248,10 +258,54 @@ def run_setup(setup: Setup, args: argparse.Namespace, convs: list, logdir: Path)
         "cached_tokens": result.cached_tokens,
         "ttft_p50_ms": 1000 * pct(result.ttft, 0.5),
         "ttft_p99_ms": 1000 * pct(result.ttft, 0.99),
-        "ttft_mean_ms": 1000 * statistics.fmean(result.ttft) if result.ttft else float("nan"),
-        "requests_per_replica": per_replica,
+        "requests_per_replica": delta("prefixcache_cache_lookups_total"),
         "mean_batch_size": sum(delta("prefixcache_batch_rows_total").values()) / batches if batches else None,
-        "max_over_min": (per_replica[-1] / per_replica[0]) if per_replica and per_replica[0] else None,
+        "server_cpu_ms_per_request": None if cpu0 is None else 1000 * (cpu1 - cpu0) / max(1, result.requests),
+    }
+
+
+def run_group(setups: list[Setup], args: argparse.Namespace, logdir: Path) -> dict[str, list[dict]]:
+    """Start the group's servers together, then play round after round on each in turn (fresh conversations
+    every round, so drifting machine load hits every set-up of the group alike)."""
+    rounds: dict[str, list[dict]] = {s.key: [] for s in setups}
+    with ExitStack() as stack:
+        live = {}
+        for s in setups:
+            pool = s.pool_factor * args.replica_cache_tokens
+            cli = [*s.args, "--model", args.model, "--max-cached-tokens", str(pool), "--batch-wait-ms", "2"]
+            url, pid = stack.enter_context(server(cli, logdir / f"server_{s.key}.log", args.startup_s))
+            warm_up(url, args.model)
+            live[s.key] = (url, None if "--replicas" in s.args else pid)
+        for r in range(args.rounds):
+            convs = conversations(args, args.seed + r)
+            for s in setups:
+                rounds[s.key].append(measure(*live[s.key], args, convs))
+    return rounds
+
+
+def summarize(setup: Setup, rounds: list[dict], args: argparse.Namespace) -> dict:
+    """Medians over rounds (requests and per-replica counts summed)."""
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in rounds if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    per_replica: dict[str, float] = {}
+    for r in rounds:
+        for replica, n in r["requests_per_replica"].items():
+            per_replica[replica] = per_replica.get(replica, 0.0) + n
+    counts = sorted(per_replica.values())
+    keys = ("wall_s", "requests_per_s", "token_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "mean_batch_size")
+    return {
+        "setup": setup.key,
+        "label": setup.label,
+        "pool_tokens_per_process": setup.pool_factor * args.replica_cache_tokens,
+        "rounds": rounds,
+        "requests": sum(r["requests"] for r in rounds),
+        "errors": sum(r["errors"] for r in rounds),
+        **{k: median(k) for k in (*keys, "server_cpu_ms_per_request")},
+        "requests_per_replica": counts,
+        "max_over_min": (counts[-1] / counts[0]) if counts and counts[0] else None,
     }
 
 
@@ -279,42 +333,53 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="built-in preset or local model directory")
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients (K)")
     ap.add_argument("--tenants", type=int, default=4, help="tenants (cache salts)")
-    ap.add_argument("--users", type=int, default=24, help="conversations")
-    ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    ap.add_argument("--system-tokens", type=int, default=300, help="system prompt length (byte tokens)")
-    ap.add_argument("--user-tokens", type=int, default=120, help="user message length (byte tokens)")
+    ap.add_argument("--users", type=int, default=16, help="conversations per round")
+    ap.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    ap.add_argument("--system-tokens", type=int, default=100, help="system prompt length (byte tokens)")
+    ap.add_argument("--user-tokens", type=int, default=100, help="user message length (byte tokens)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn")
+    ap.add_argument("--think-ms", type=float, default=200.0, help="mean pause of a user between turns")
     ap.add_argument("--replica-cache-tokens", type=int, default=4096, help="P: pool per Ray replica, in tokens")
     ap.add_argument("--budget-s", type=float, default=300.0, help="time limit of one set-up's load")
     ap.add_argument("--startup-s", type=float, default=300.0, help="time limit of one server's start")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of load per set-up (fresh chats each round)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the results as JSON")
     args = ap.parse_args()
-    convs = conversations(args)
+    chosen = [SETUPS[k] for k in dict.fromkeys(args.setups)]
+    groups = [[s for s in chosen if "--replicas" not in s.args]] + [[s] for s in chosen if "--replicas" in s.args]
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
-        for key in args.setups:
-            rows[key] = run_setup(SETUPS[key], args, convs, Path(tmp))
+        for group in groups:
+            if group:
+                for key, rounds in run_group(group, args, Path(tmp)).items():
+                    rows[key] = summarize(SETUPS[key], rounds, args)
+        rows = {k: rows[k] for k in dict.fromkeys(args.setups)}
 
     table = Table(
-        title=f"serve: {args.clients} clients, {len(convs)} chats x {args.turns} turns, {args.tenants} tenants, "
-        f"model {args.model}, P = {args.replica_cache_tokens} tokens"
+        title=f"serve: {args.clients} clients; per round {args.users} chats x {args.turns} turns, {args.tenants} "
+        f"tenants; model {args.model}; P = {args.replica_cache_tokens} tokens; medians of {args.rounds} rounds"
     )
-    cols = ("set-up", "pool/process", "requests", "req/s", "token hit", "TTFT p50 ms", "TTFT p99 ms", "mean batch")
-    for col in (*cols, "per replica", "max/min"):
+    cols = ("set-up", "pool/proc", "requests", "req/s", "token hit", "TTFT p50 ms", "TTFT p99 ms", "batch")
+    for col in (*cols, "server CPU ms/req", "per replica", "max/min"):
         table.add_column(col, justify="left" if col == "set-up" else "right")
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
     for r in rows.values():
         table.add_row(
             f"({r['setup']}) {r['label']}",
             f"{r['pool_tokens_per_process']:,}",
             f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
-            f"{r['requests_per_s']:.2f}",
-            f"{r['token_hit_rate']:.3f}",
-            f"{r['ttft_p50_ms']:.0f}",
-            f"{r['ttft_p99_ms']:.0f}",
-            "-" if r["mean_batch_size"] is None else f"{r['mean_batch_size']:.1f}",
+            num(r["requests_per_s"], ".2f"),
+            num(r["token_hit_rate"], ".3f"),
+            num(r["ttft_p50_ms"], ".0f"),
+            num(r["ttft_p99_ms"], ".0f"),
+            num(r["mean_batch_size"], ".1f"),
+            num(r["server_cpu_ms_per_request"], ".1f"),
             "/".join(f"{n:.0f}" for n in r["requests_per_replica"]),
-            "-" if r["max_over_min"] is None else f"{r['max_over_min']:.2f}",
+            num(r["max_over_min"], ".2f"),
         )
     console = Console() if Console().is_terminal else Console(width=150)
     console.print(table)

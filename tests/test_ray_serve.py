@@ -74,7 +74,7 @@ def test_turns_follow_their_history_and_an_eviction_turns_the_router_away(cluste
         r, replica = _chat(client, conv, salt_a)
         assert r.choices[0].message.content == tok.decode(bare_greedy(model, ids, 6), skip_special_tokens=True)
         d = _last_decision(index)
-        assert d["replica"] == replica
+        assert d["replica"] == replica == d["chosen"]
         # the router's index predicted exactly what the replica served
         assert d["matched_blocks"] * BS == r.usage.prompt_tokens_details.cached_tokens
         if turn == 0:

@@ -365,3 +365,41 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, bare):
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
         assert text == tok.decode(want, skip_special_tokens=True)
         assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+# ---- the command's own user errors (no server comes up) ------------------------------------------------------
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from prefixcache import cli
+
+    return CliRunner().invoke(cli.app, ["serve", *args])
+
+
+def test_cli_names_the_missing_extra_and_exits_2(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def without_fastapi(name, *a, **k):
+        if name == "fastapi":
+            raise ImportError("No module named 'fastapi'", name="fastapi")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", without_fastapi)
+    r = _cli("--model", MODEL)
+    assert r.exit_code == 2 and "pip install 'prefixcache[serve]'" in r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "no-such-model"], "neither a preset"),
+        (["--replicas", "2", "--router", "random"], "unknown policy 'random'"),
+        (["--address", "ray://x:10001"], "--address joins a Ray cluster"),
+    ],
+)
+def test_cli_user_errors_exit_2(args, message):
+    r = _cli(*args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output

@@ -171,12 +171,15 @@ def index_name(app_name: str) -> str:
 
 
 def start_index(cfg: ServeConfig, rcfg: RayConfig) -> Any:
-    """A fresh IndexHolder actor for the app (an old one of the same name is killed first)."""
+    """A fresh IndexHolder actor for the app (an old one of the same name is killed first). It lives as long as
+    the returned handle: keep it."""
     name = index_name(rcfg.app_name)
     with contextlib.suppress(ValueError):  # none yet
         ray.kill(ray.get_actor(name, namespace=INDEX_NAMESPACE))
     holder = ray.remote(num_cpus=0)(IndexHolder)
-    return holder.options(name=name, namespace=INDEX_NAMESPACE).remote(cfg.block_size)
+    index = holder.options(name=name, namespace=INDEX_NAMESPACE).remote(cfg.block_size)
+    ray.get(index.figures.remote())  # up and registered under its name before any replica looks for it
+    return index
 
 
 def build_app(cfg: ServeConfig, rcfg: RayConfig) -> Any:
@@ -217,7 +220,7 @@ def run_ray(cfg: ServeConfig, rcfg: RayConfig) -> int:
     old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        start_index(cfg, rcfg)
+        index = start_index(cfg, rcfg)  # noqa: F841  (held: the actor lives while its handle does)
         serve.run(build_app(cfg, rcfg), name=rcfg.app_name, route_prefix="/")
         console.info(f"serving {cfg.model} on http://{cfg.host}:{cfg.port} with {rcfg.replicas} Ray Serve replicas")
         stop.wait()

@@ -20,7 +20,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from engine.serve.protocol import GenerateCall
 from prefixcache.core.events import BlocksRemoved
-from prefixcache.sim.routing import CacheEvent, ClusterIndex, IndexSyncError, LoadGuard, make_policy, prompt_keys
+from prefixcache.sim.routing import (
+    CacheEvent,
+    ClusterIndex,
+    Decision,
+    IndexSyncError,
+    LoadGuard,
+    make_policy,
+    prompt_keys,
+)
 
 logger = logging.getLogger("ray.serve")
 INDEX_NAMESPACE = "prefixcache"
@@ -95,9 +103,16 @@ class IndexHolder:
         self.applied.pop(replica, None)
         self._figures.pop(replica, None)
 
-    def record(self, request_id: str, replica: str, matched_blocks: int, reason: str) -> None:
+    def record(self, request_id: str, replica: str, chosen: str, matched_blocks: int, reason: str) -> None:
+        """Log a routed request: where it went, what the policy chose and why, how many blocks it expected."""
         self._decisions.append(
-            {"request_id": request_id, "replica": replica, "matched_blocks": matched_blocks, "reason": reason}
+            {
+                "request_id": request_id,
+                "replica": replica,
+                "chosen": chosen,
+                "matched_blocks": matched_blocks,
+                "reason": reason,
+            }
         )
 
     def decisions(self) -> list[dict[str, Any]]:
@@ -131,6 +146,7 @@ class PrefixAwareRouter(RequestRouter):
 
         self._index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self._policy = make_policy(policy, LoadGuard(abs_threshold, rel_threshold))
+        self._decided: dict[str, Decision] = {}  # request id -> the policy's choice, until Ray routes it
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, float]:
         """Each replica's queue length: Ray's cached figure, else a probe (unanswered: full)."""
@@ -158,10 +174,21 @@ class PrefixAwareRouter(RequestRouter):
         loads = await self._loads(candidate_replicas)
         matched = await self._index.match.remote(call.prompt, call.namespace) if self._policy.uses_index else {}
         decision = self._policy.choose(order, matched, loads)
+        self._decided[call.request_id] = decision
+        if len(self._decided) > 10_000:  # requests abandoned before Ray routed them
+            del self._decided[next(iter(self._decided))]
         chosen = str(decision.replica)
-        self._index.record.remote(call.request_id, chosen, decision.matched_blocks, decision.reason)
         rest = sorted((r for r in order if r != chosen), key=lambda r: loads.get(r, 0.0))
-        return [[by_id[chosen]], [by_id[r] for r in rest]]
+        return [[by_id[chosen]], [by_id[r] for r in rest]]  # the others, by load, if the chosen one is full
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        """Record where the request went (the policy's choice, or a fallback when that replica was full)."""
+        call = call_of(pending_request)
+        decision = self._decided.pop(call.request_id, None) if call is not None else None
+        if decision is not None:
+            self._index.record.remote(
+                call.request_id, replica_id.unique_id, str(decision.replica), decision.matched_blocks, decision.reason
+            )
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)

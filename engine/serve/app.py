@@ -161,7 +161,7 @@ class _Detokenizer:
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""
         delta, self.emitted = text[len(self.emitted) :], text

@@ -3,7 +3,7 @@ over one ``PrefixCachedModel``); ``engine.serve.ray_app.RayBackend`` sends calls
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ class Backend(Protocol):
 
     async def stop(self) -> None: ...
 
-    def stream(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+    def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
         """New token ids as they come, then one ``Finished``; closing it early cancels the call."""
         ...
 
@@ -66,7 +66,7 @@ def describe_model(model: str) -> ModelInfo:
 
     if model in PRESETS:
         p = PRESETS[model]
-        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0)
+        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0)  # type: ignore[no-untyped-call]
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(model, local_files_only=True)
@@ -74,7 +74,7 @@ def describe_model(model: str) -> ModelInfo:
     try:
         gc = GenerationConfig.from_pretrained(model, local_files_only=True)
     except OSError:  # no generation_config.json: transformers' defaults (greedy)
-        gc = GenerationConfig()
+        gc = GenerationConfig()  # type: ignore[no-untyped-call]
     temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
     return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature)
 
@@ -102,7 +102,7 @@ class LocalBackend:
     async def stop(self) -> None:
         await self.batcher.stop()
 
-    def stream(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+    def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
         return self.batcher.stream(call)
 
     async def refresh(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -149,7 +149,7 @@ class Batcher:
         return self._cache_stats
 
     # ---- calls -------------------------------------------------------------------------------------------
-    async def stream(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+    async def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
         """Queue ``call``; yield lists of new token ids as they come, then one ``Finished``.
 
         Closing the iterator early (the caller went away) stops the call's row at the next step.

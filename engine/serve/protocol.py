@@ -110,7 +110,7 @@ class CompletionRequest(_Request):
         """The prompts of this request, one per choice."""
         p = self.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
-            return list(p)  # type: ignore[arg-type]
+            return list(p)
         return [p]  # type: ignore[list-item]
 
 

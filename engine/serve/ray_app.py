@@ -17,7 +17,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,7 +105,7 @@ class ModelReplica:
     def _publish(self) -> None:
         self.publisher.flush(replica_figures(self.batcher.cache_stats, self.batcher.stats()))
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
+    async def generate(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
         """Token ids as they come, then ``Finished`` (naming this replica)."""
         if not self._started:
             self._started = True
@@ -122,7 +122,7 @@ class ModelReplica:
 class RayBackend:
     """The app's backend in the ingress: calls go through the model deployment's handle (and its router)."""
 
-    def __init__(self, handle: DeploymentHandle, info: ModelInfo, index: Any) -> None:
+    def __init__(self, handle: DeploymentHandle[Any], info: ModelInfo, index: Any) -> None:
         self.info = info
         self._handle = handle.options(stream=True)
         self._index = index
@@ -134,8 +134,8 @@ class RayBackend:
     async def stop(self) -> None:
         return None
 
-    async def stream(self, call: GenerateCall) -> AsyncIterator[StreamItem]:
-        gen = self._handle.generate.remote(call)
+    async def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
+        gen: Any = self._handle.generate.remote(call)  # a DeploymentResponseGenerator (stream=True)
         finished = False
         try:
             async for item in gen:
@@ -157,7 +157,7 @@ class RayBackend:
 class Ingress:
     """The OpenAI-compatible app (app.py) in front of the model replicas."""
 
-    def __init__(self, model: DeploymentHandle, cfg: ServeConfig, index_name: str) -> None:
+    def __init__(self, model: DeploymentHandle[Any], cfg: ServeConfig, index_name: str) -> None:
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self.backend = RayBackend(model, describe_model(cfg.model), index)
         self.cfg = cfg
@@ -176,7 +176,7 @@ def start_index(cfg: ServeConfig, rcfg: RayConfig) -> Any:
     name = index_name(rcfg.app_name)
     with contextlib.suppress(ValueError):  # none yet
         ray.kill(ray.get_actor(name, namespace=INDEX_NAMESPACE))
-    holder = ray.remote(num_cpus=0)(IndexHolder)
+    holder: Any = ray.remote(num_cpus=0)(IndexHolder)
     index = holder.options(name=name, namespace=INDEX_NAMESPACE).remote(cfg.block_size)
     ray.get(index.figures.remote())  # up and registered under its name before any replica looks for it
     return index
@@ -194,7 +194,7 @@ def build_app(cfg: ServeConfig, rcfg: RayConfig) -> Any:
     }
     if rcfg.router != RAY_DEFAULT_ROUTER:
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAwareRouter,
+            request_router_class=PrefixAwareRouter,  # type: ignore[arg-type]  # a class is accepted too
             request_router_kwargs={
                 "index_name": name,
                 "policy": rcfg.router,
@@ -203,8 +203,8 @@ def build_app(cfg: ServeConfig, rcfg: RayConfig) -> Any:
             },
         )
     threads = max(1, int(rcfg.replica_cpus))
-    model = ModelReplica.options(**options).bind(cfg, name, threads)
-    ingress = Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+    model = ModelReplica.options(**options).bind(cfg, name, threads)  # type: ignore[attr-defined]
+    ingress = Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)  # type: ignore[attr-defined]
     return ingress.bind(model, cfg, name)
 
 
@@ -225,7 +225,7 @@ def run_ray(cfg: ServeConfig, rcfg: RayConfig) -> int:
         console.info(f"serving {cfg.model} on http://{cfg.host}:{cfg.port} with {rcfg.replicas} Ray Serve replicas")
         stop.wait()
         serve.delete(rcfg.app_name)
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

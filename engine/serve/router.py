@@ -41,7 +41,7 @@ class IndexHolder:
     def __init__(self, block_size: int, hash_seed: int = 0) -> None:
         self.block_size = block_size
         self.hash_seed = hash_seed
-        self.index = ClusterIndex()
+        self.index: ClusterIndex[str] = ClusterIndex()
         self.fingerprint: str | None = None
         self.applied: dict[str, int] = {}  # replica -> last applied batch number
         self._figures: dict[str, dict[str, Any]] = {}
@@ -139,14 +139,14 @@ class PrefixAwareRouter(RequestRouter):
     ``prefixcache.sim.routing.ROUTING_POLICIES``), ``abs_threshold`` / ``rel_threshold`` (the load guard).
     """
 
-    def initialize_state(
+    def initialize_state(  # type: ignore[override]  # Ray passes request_router_kwargs by name
         self, index_name: str, policy: str = "prefix_balanced", abs_threshold: float = 64, rel_threshold: float = 1.5
     ) -> None:
         import ray
 
         self._index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self._policy = make_policy(policy, LoadGuard(abs_threshold, rel_threshold))
-        self._decided: dict[str, Decision] = {}  # request id -> the policy's choice, until Ray routes it
+        self._decided: dict[str, Decision[str]] = {}  # request id -> the policy's choice, until Ray routes it
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, float]:
         """Each replica's queue length: Ray's cached figure, else a probe (unanswered: full)."""

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from prefixcache.core.events import BlocksRemoved, BlocksStored, CacheCleared
 from prefixcache.core.hashing import block_keys
 
-ReplicaId = Hashable
+R = TypeVar("R", bound=Hashable)  # a replica's id: an int in a simulation, a Ray replica id string, ...
 Key = Hashable
 CacheEvent = BlocksStored | BlocksRemoved | CacheCleared
 
@@ -45,7 +45,7 @@ def prompt_keys(tokens: Any, namespace: str, *, block_size: int, hash_seed: int 
     )
 
 
-class ClusterIndex:
+class ClusterIndex(Generic[R]):
     """Which replica holds which cached block, exactly, as told by the replicas' cache events.
 
     Per (mode, namespace) a dict maps each held key to a bit mask of the replicas holding it. A replica is
@@ -54,16 +54,16 @@ class ClusterIndex:
 
     def __init__(self) -> None:
         self._maps: dict[tuple[str, str], dict[Key, int]] = {}
-        self._bit: dict[ReplicaId, int] = {}
-        self._by_bit: dict[int, ReplicaId] = {}
-        self._held: dict[ReplicaId, int] = {}
+        self._bit: dict[R, int] = {}
+        self._by_bit: dict[int, R] = {}
+        self._held: dict[R, int] = {}
 
     # ---- replicas ----------------------------------------------------------------------------------------
     @property
-    def replicas(self) -> tuple[ReplicaId, ...]:
+    def replicas(self) -> tuple[R, ...]:
         return tuple(self._bit)
 
-    def add_replica(self, replica: ReplicaId) -> None:
+    def add_replica(self, replica: R) -> None:
         """Know ``replica`` (holding nothing yet). Changes the index only if it was unknown."""
         if replica in self._bit:
             return
@@ -72,7 +72,7 @@ class ClusterIndex:
         self._by_bit[bit] = replica
         self._held[replica] = 0
 
-    def forget(self, replica: ReplicaId) -> None:
+    def forget(self, replica: R) -> None:
         """Drop ``replica`` and every block it held (it died, was removed, or fell out of sync)."""
         if replica not in self._bit:
             return
@@ -81,12 +81,12 @@ class ClusterIndex:
         del self._by_bit[bit]
         del self._held[replica]
 
-    def num_blocks(self, replica: ReplicaId) -> int:
+    def num_blocks(self, replica: R) -> int:
         """Blocks ``replica`` holds, per the index."""
         return self._held.get(replica, 0)
 
     # ---- events ------------------------------------------------------------------------------------------
-    def apply(self, replica: ReplicaId, event: CacheEvent) -> None:
+    def apply(self, replica: R, event: CacheEvent) -> None:
         """Apply one of ``replica``'s cache events. Raises IndexSyncError (changing nothing) when the event
         contradicts the index: a stored block already held or hung under a parent the replica does not hold,
         a removed block it does not hold."""
@@ -100,12 +100,12 @@ class ClusterIndex:
         else:
             raise TypeError(f"not a cache event: {type(event).__name__}")
 
-    def apply_all(self, replica: ReplicaId, events: Iterable[CacheEvent]) -> None:
+    def apply_all(self, replica: R, events: Iterable[CacheEvent]) -> None:
         """Apply ``events`` of ``replica`` in order (see ``apply``)."""
         for event in events:
             self.apply(replica, event)
 
-    def _stored(self, replica: ReplicaId, e: BlocksStored) -> None:
+    def _stored(self, replica: R, e: BlocksStored) -> None:
         bit = 1 << self._bit[replica]
         m = self._maps.setdefault((e.mode, e.namespace), {})
         if e.parent is not None and not m.get(e.parent, 0) & bit:
@@ -116,7 +116,7 @@ class ClusterIndex:
             m[k] = m.get(k, 0) | bit
         self._held[replica] += len(e.keys)
 
-    def _removed(self, replica: ReplicaId, e: BlocksRemoved) -> None:
+    def _removed(self, replica: R, e: BlocksRemoved) -> None:
         bit = 1 << self._bit[replica]
         m = self._maps.get((e.mode, e.namespace), {})
         if not all(m.get(k, 0) & bit for k in e.keys):
@@ -129,7 +129,7 @@ class ClusterIndex:
                 del m[k]
         self._held[replica] -= len(e.keys)
 
-    def discard(self, replica: ReplicaId, mode: str, namespace: str, keys: Iterable[Key]) -> None:
+    def discard(self, replica: R, mode: str, namespace: str, keys: Iterable[Key]) -> None:
         """Drop whichever of ``keys`` ``replica`` holds, ignoring the others: the lenient removal for a replica
         whose events went out of sync (the index may under-claim, never over-claim)."""
         if replica not in self._bit:
@@ -145,7 +145,7 @@ class ClusterIndex:
                 else:
                     del m[k]
 
-    def _drop_all(self, replica: ReplicaId) -> None:
+    def _drop_all(self, replica: R) -> None:
         bit = 1 << self._bit[replica]
         for m in self._maps.values():
             for k in [k for k, mask in m.items() if mask & bit]:
@@ -157,14 +157,14 @@ class ClusterIndex:
         self._held[replica] = 0
 
     # ---- queries -----------------------------------------------------------------------------------------
-    def match(self, keys: Sequence[Key], namespace: str, mode: str = "tokens") -> dict[ReplicaId, int]:
+    def match(self, keys: Sequence[Key], namespace: str, mode: str = "tokens") -> dict[R, int]:
         """For each replica holding at least the first block: how many leading ``keys`` it holds. Changes
         nothing. (Tokens mode: pass ``prompt_keys(...)`` so the counts are what ``match`` would serve.)"""
         m = self._maps.get((mode, namespace))
         if not m or not keys:
             return {}
         alive = m.get(keys[0], 0)
-        depth: dict[ReplicaId, int] = {}
+        depth: dict[R, int] = {}
         i = 1
         while alive and i < len(keys):
             held = m.get(keys[i], 0) & alive
@@ -175,7 +175,7 @@ class ClusterIndex:
         self._record(alive, i, depth)
         return depth
 
-    def _record(self, mask: int, blocks: int, out: dict[ReplicaId, int]) -> None:
+    def _record(self, mask: int, blocks: int, out: dict[R, int]) -> None:
         bit = 0
         while mask:
             if mask & 1:
@@ -183,7 +183,7 @@ class ClusterIndex:
             mask >>= 1
             bit += 1
 
-    def holders(self, key: Key, namespace: str, mode: str = "tokens") -> frozenset[ReplicaId]:
+    def holders(self, key: Key, namespace: str, mode: str = "tokens") -> frozenset[R]:
         """The replicas holding the block ``key``. Changes nothing."""
         mask = self._maps.get((mode, namespace), {}).get(key, 0)
         return frozenset(r for r, b in self._bit.items() if mask >> b & 1)
@@ -214,12 +214,12 @@ class LoadGuard:
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(Generic[R]):
     """Where a request goes: ``replica``; ``matched_blocks`` of its leading blocks that replica holds (per the
     index; 0 for policies that do not look); ``reason``: prefix, cold (no replica holds any of it), load (the
     guard overrode the prefix), round_robin or least_loaded."""
 
-    replica: ReplicaId
+    replica: R
     matched_blocks: int
     reason: str
 
@@ -230,8 +230,8 @@ class RoutingPolicy(Protocol):
     uses_index: bool
 
     def choose(
-        self, replicas: Sequence[ReplicaId], matched: Mapping[ReplicaId, int], loads: Mapping[ReplicaId, float]
-    ) -> Decision:
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+    ) -> Decision[R]:
         """A replica among ``replicas`` (in the caller's fixed order) given each one's held leading blocks
         (``matched``; absent means 0) and load (``loads``; absent means 0). Changes the policy's turn only."""
         ...
@@ -243,7 +243,7 @@ class _Turns:
     def __init__(self) -> None:
         self.turn = 0
 
-    def pick(self, tied: Sequence[ReplicaId]) -> ReplicaId:
+    def pick(self, tied: Sequence[R]) -> R:
         if len(tied) == 1:
             return tied[0]
         choice = tied[self.turn % len(tied)]
@@ -251,12 +251,12 @@ class _Turns:
         return choice
 
 
-def _least_loaded(candidates: Sequence[ReplicaId], loads: Mapping[ReplicaId, float], turns: _Turns) -> ReplicaId:
+def _least_loaded(candidates: Sequence[R], loads: Mapping[R, float], turns: _Turns) -> R:
     low = min(loads.get(r, 0.0) for r in candidates)
     return turns.pick([r for r in candidates if loads.get(r, 0.0) == low])
 
 
-def _check(replicas: Sequence[ReplicaId]) -> None:
+def _check(replicas: Sequence[R]) -> None:
     if not replicas:
         raise ValueError("no replica to route to")
 
@@ -270,8 +270,8 @@ class RoundRobin:
         self._turns = _Turns()
 
     def choose(
-        self, replicas: Sequence[ReplicaId], matched: Mapping[ReplicaId, int], loads: Mapping[ReplicaId, float]
-    ) -> Decision:
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+    ) -> Decision[R]:
         _check(replicas)
         r = self._turns.pick(replicas)
         return Decision(r, matched.get(r, 0), "round_robin")
@@ -286,8 +286,8 @@ class LeastLoaded:
         self._turns = _Turns()
 
     def choose(
-        self, replicas: Sequence[ReplicaId], matched: Mapping[ReplicaId, int], loads: Mapping[ReplicaId, float]
-    ) -> Decision:
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+    ) -> Decision[R]:
         _check(replicas)
         r = _least_loaded(replicas, loads, self._turns)
         return Decision(r, matched.get(r, 0), "least_loaded")
@@ -304,8 +304,8 @@ class PrefixAffinity:
         self._turns = _Turns()
 
     def choose(
-        self, replicas: Sequence[ReplicaId], matched: Mapping[ReplicaId, int], loads: Mapping[ReplicaId, float]
-    ) -> Decision:
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+    ) -> Decision[R]:
         _check(replicas)
         if self.guard is not None and self.guard.unbalanced(loads.get(r, 0.0) for r in replicas):
             r = _least_loaded(replicas, loads, self._turns)

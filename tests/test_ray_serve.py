@@ -59,7 +59,7 @@ def _last_decision(index) -> dict:
 
 def _match(index, tok, messages, salt) -> dict:
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    return ray.get(index.match.remote(list(ids), f"salt:{salt}"))
+    return ray.get(index.match.remote(list(ids), f"salt:{salt}"))[0]
 
 
 def test_turns_follow_their_history_and_an_eviction_turns_the_router_away(cluster):

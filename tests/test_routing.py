@@ -23,6 +23,7 @@ from prefixcache.sim.routing import (
     IndexSyncError,
     LoadGuard,
     PrefixAffinity,
+    RoutingConfig,
     make_policy,
     prompt_keys,
 )
@@ -200,6 +201,21 @@ def test_load_guard_rejects_bad_thresholds():
         LoadGuard(-1, 1.5)
     with pytest.raises(ValueError):
         LoadGuard(64, 0.5)
+    with pytest.raises(ValueError):
+        RoutingConfig(min_match=1.5)
+
+
+def test_a_short_held_prefix_does_not_bind_the_request():
+    """prefix_balanced follows a held prefix only when it covers min_match of the request; prefix always does."""
+    balanced = make_policy("prefix_balanced", RoutingConfig(min_match=0.3))
+    loads = {"holder": 2.0, "idle": 0.0}
+    assert balanced.choose(["holder", "idle"], {"holder": 2}, loads, blocks=10) == Decision("idle", 0, "short")
+    assert balanced.choose(["holder", "idle"], {"holder": 3}, loads, blocks=10) == Decision("holder", 3, "prefix")
+    assert balanced.choose(["holder", "idle"], {"holder": 2}, loads) == Decision(
+        "holder", 2, "prefix"
+    )  # unknown length
+    pure = make_policy("prefix")
+    assert pure.choose(["holder", "idle"], {"holder": 1}, loads, blocks=40) == Decision("holder", 1, "prefix")
 
 
 @settings(max_examples=300, deadline=None)
@@ -213,7 +229,7 @@ def test_policy_properties(matched_list, load_list, name):
     matched = dict(zip(replicas, matched_list))
     loads = dict(zip(replicas, load_list))
     guard = LoadGuard(20, 1.5)
-    d = make_policy(name, guard).choose(replicas, matched, loads)
+    d = make_policy(name, RoutingConfig(guard, min_match=0.3)).choose(replicas, matched, loads)  # length unknown
     assert d.replica in replicas and d.matched_blocks == matched[d.replica]
     unbalanced = guard.unbalanced(loads.values())
     if name == "least_loaded" or (name == "prefix_balanced" and unbalanced):

@@ -50,6 +50,7 @@ class RayConfig:
     router: str = "prefix_balanced"
     abs_threshold: float = 64.0
     rel_threshold: float = 1.5
+    min_match: float = 0.3
     replica_cpus: float = 1.0
     app_name: str = APP_NAME
 
@@ -200,6 +201,7 @@ def build_app(cfg: ServeConfig, rcfg: RayConfig) -> Any:
                 "policy": rcfg.router,
                 "abs_threshold": rcfg.abs_threshold,
                 "rel_threshold": rcfg.rel_threshold,
+                "min_match": rcfg.min_match,
             },
         )
     threads = max(1, int(rcfg.replica_cpus))

@@ -26,6 +26,7 @@ from prefixcache.sim.routing import (
     Decision,
     IndexSyncError,
     LoadGuard,
+    RoutingConfig,
     make_policy,
     prompt_keys,
 )
@@ -89,13 +90,14 @@ class IndexHolder:
         self.index.forget(replica)
         self.index.add_replica(replica)
 
-    def match(self, prompt: Sequence[int], namespace: str) -> dict[str, int]:
-        """Leading blocks of ``prompt`` (tenant ``namespace``) each replica holds, as its ``match`` would serve."""
+    def match(self, prompt: Sequence[int], namespace: str) -> tuple[dict[str, int], int]:
+        """Leading blocks of ``prompt`` (tenant ``namespace``) each replica holds, as its ``match`` would serve,
+        and the number of blocks looked up."""
         if self.fingerprint is None or len(prompt) == 0:
-            return {}
+            return {}, 0
         space = f"{self.fingerprint}:{namespace}"
         keys = prompt_keys(prompt, space, block_size=self.block_size, hash_seed=self.hash_seed)
-        return {str(r): n for r, n in self.index.match(keys, space).items()}
+        return self.index.match(keys, space), len(keys)
 
     def forget(self, replica: str) -> None:
         """A replica is gone: drop its blocks and figures."""
@@ -136,16 +138,22 @@ class PrefixAwareRouter(RequestRouter):
     """Ray Serve request router: the replica the prefixcache routing policy picks, then the others by load.
 
     ``request_router_kwargs``: ``index_name`` (the ``IndexHolder`` actor), ``policy`` (a name in
-    ``prefixcache.sim.routing.ROUTING_POLICIES``), ``abs_threshold`` / ``rel_threshold`` (the load guard).
+    ``prefixcache.sim.routing.ROUTING_POLICIES``), ``abs_threshold`` / ``rel_threshold`` (the load guard) and
+    ``min_match`` (see ``RoutingConfig``).
     """
 
     def initialize_state(  # type: ignore[override]  # Ray passes request_router_kwargs by name
-        self, index_name: str, policy: str = "prefix_balanced", abs_threshold: float = 64, rel_threshold: float = 1.5
+        self,
+        index_name: str,
+        policy: str = "prefix_balanced",
+        abs_threshold: float = 64,
+        rel_threshold: float = 1.5,
+        min_match: float = 0.3,
     ) -> None:
         import ray
 
         self._index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
-        self._policy = make_policy(policy, LoadGuard(abs_threshold, rel_threshold))
+        self._policy = make_policy(policy, RoutingConfig(LoadGuard(abs_threshold, rel_threshold), min_match))
         self._decided: dict[str, Decision[str]] = {}  # request id -> the policy's choice, until Ray routes it
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, float]:
@@ -172,8 +180,11 @@ class PrefixAwareRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = sorted(by_id)
         loads = await self._loads(candidate_replicas)
-        matched = await self._index.match.remote(call.prompt, call.namespace) if self._policy.uses_index else {}
-        decision = self._policy.choose(order, matched, loads)
+        matched: dict[str, int] = {}
+        blocks = None
+        if self._policy.uses_index:
+            matched, blocks = await self._index.match.remote(call.prompt, call.namespace)
+        decision = self._policy.choose(order, matched, loads, blocks=blocks)
         self._decided[call.request_id] = decision
         if len(self._decided) > 10_000:  # requests abandoned before Ray routed them
             del self._decided[next(iter(self._decided))]

@@ -69,6 +69,13 @@ def register(app: typer.Typer) -> None:
         router_rel_threshold: float = typer.Option(
             1.5, "--router-rel-threshold", min=1.0, help="Load guard: queue ratio that counts as imbalance."
         ),
+        router_min_match: float = typer.Option(
+            0.3,
+            "--router-min-match",
+            min=0.0,
+            max=1.0,
+            help="prefix_balanced follows a cached prefix only if it covers this fraction of the prompt.",
+        ),
     ) -> None:
         """Serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
 
@@ -109,7 +116,9 @@ def register(app: typer.Typer) -> None:
                 _require("ray.serve")
                 from engine.serve.ray_app import RayConfig, run_ray
 
-                rcfg = RayConfig(replicas, address, router, router_abs_threshold, router_rel_threshold)
+                rcfg = RayConfig(
+                    replicas, address, router, router_abs_threshold, router_rel_threshold, router_min_match
+                )
                 status = run_ray(cfg, rcfg)
         except ValueError as exc:  # a bad model name or size, found while loading
             console.error(str(exc))

@@ -13,8 +13,9 @@ what that replica's ``PrefixCache.match`` would serve.
 
 A policy turns "how many leading blocks each replica holds" and "how loaded each replica is" (plain numbers
 the caller supplies: queue lengths, outstanding prefill tokens, ...) into a ``Decision``. ``ROUTING_POLICIES``
-names them: ``round_robin``, ``least_loaded``, ``prefix`` (longest held prefix) and ``prefix_balanced``
-(``prefix`` unless the ``LoadGuard`` finds the replicas too unbalanced, then ``least_loaded``).
+names them: ``round_robin``, ``least_loaded``, ``prefix`` (longest held prefix) and ``prefix_balanced``, after
+SGLang's cache-aware router: the longest held prefix, unless the ``LoadGuard`` finds the replicas too
+unbalanced or the longest held prefix covers less than ``min_match`` of the request (then the least loaded).
 """
 
 from __future__ import annotations
@@ -214,10 +215,30 @@ class LoadGuard:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """Settings of the prefix policies (defaults: SGLang's cache-aware router's ``--balance-abs-threshold``,
+    ``--balance-rel-threshold`` and ``--cache-threshold``).
+
+    guard:     when it finds the loads unbalanced, ``prefix_balanced`` routes by load.
+    min_match: ``prefix_balanced`` follows a held prefix only when it covers at least this fraction of the
+               request's blocks; a shorter one (say a template's first block that every tenant's request starts
+               with) would otherwise pull unrelated requests onto one replica.
+    """
+
+    guard: LoadGuard = LoadGuard()
+    min_match: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_match <= 1:
+            raise ValueError(f"RoutingConfig.min_match must be in [0, 1], got {self.min_match!r}")
+
+
+@dataclass(frozen=True)
 class Decision(Generic[R]):
     """Where a request goes: ``replica``; ``matched_blocks`` of its leading blocks that replica holds (per the
-    index; 0 for policies that do not look); ``reason``: prefix, cold (no replica holds any of it), load (the
-    guard overrode the prefix), round_robin or least_loaded."""
+    index; 0 for policies that do not look); ``reason``: prefix, cold (no replica holds any of it), short (the
+    longest held prefix is below ``min_match``), load (the guard overrode the prefix), round_robin or
+    least_loaded."""
 
     replica: R
     matched_blocks: int
@@ -230,10 +251,11 @@ class RoutingPolicy(Protocol):
     uses_index: bool
 
     def choose(
-        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float], *, blocks: int | None = None
     ) -> Decision[R]:
         """A replica among ``replicas`` (in the caller's fixed order) given each one's held leading blocks
-        (``matched``; absent means 0) and load (``loads``; absent means 0). Changes the policy's turn only."""
+        (``matched``; absent means 0), its load (``loads``; absent means 0) and the request's length in blocks
+        as looked up (``blocks``; None: unknown, no ``min_match``). Changes the policy's turn only."""
         ...
 
 
@@ -270,7 +292,7 @@ class RoundRobin:
         self._turns = _Turns()
 
     def choose(
-        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float], *, blocks: int | None = None
     ) -> Decision[R]:
         _check(replicas)
         r = self._turns.pick(replicas)
@@ -286,7 +308,7 @@ class LeastLoaded:
         self._turns = _Turns()
 
     def choose(
-        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float], *, blocks: int | None = None
     ) -> Decision[R]:
         _check(replicas)
         r = _least_loaded(replicas, loads, self._turns)
@@ -295,16 +317,18 @@ class LeastLoaded:
 
 class PrefixAffinity:
     """The replica holding the longest prefix of the request (ties: least loaded, then in turn); a request
-    nobody holds goes to the least loaded replica. With a ``guard``, unbalanced loads route by load instead."""
+    nobody holds goes to the least loaded replica. With a ``guard``, unbalanced loads route by load instead;
+    with ``min_match``, so does a request whose longest held prefix covers less than that fraction of it."""
 
     uses_index = True
 
-    def __init__(self, guard: LoadGuard | None = None) -> None:
+    def __init__(self, guard: LoadGuard | None = None, min_match: float = 0.0) -> None:
         self.guard = guard
+        self.min_match = min_match
         self._turns = _Turns()
 
     def choose(
-        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]
+        self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float], *, blocks: int | None = None
     ) -> Decision[R]:
         _check(replicas)
         if self.guard is not None and self.guard.unbalanced(loads.get(r, 0.0) for r in replicas):
@@ -313,20 +337,23 @@ class PrefixAffinity:
         best = max(matched.get(r, 0) for r in replicas)
         if best == 0:
             return Decision(_least_loaded(replicas, loads, self._turns), 0, "cold")
+        if blocks is not None and best < self.min_match * blocks:
+            r = _least_loaded(replicas, loads, self._turns)
+            return Decision(r, matched.get(r, 0), "short")
         holders = [r for r in replicas if matched.get(r, 0) == best]
         return Decision(_least_loaded(holders, loads, self._turns), best, "prefix")
 
 
-ROUTING_POLICIES: dict[str, Callable[[LoadGuard], RoutingPolicy]] = {
-    "round_robin": lambda guard: RoundRobin(),
-    "least_loaded": lambda guard: LeastLoaded(),
-    "prefix": lambda guard: PrefixAffinity(None),
-    "prefix_balanced": lambda guard: PrefixAffinity(guard),
+ROUTING_POLICIES: dict[str, Callable[[RoutingConfig], RoutingPolicy]] = {
+    "round_robin": lambda config: RoundRobin(),
+    "least_loaded": lambda config: LeastLoaded(),
+    "prefix": lambda config: PrefixAffinity(),
+    "prefix_balanced": lambda config: PrefixAffinity(config.guard, config.min_match),
 }
 
 
-def make_policy(name: str, guard: LoadGuard | None = None) -> RoutingPolicy:
-    """A fresh policy by name (see ``ROUTING_POLICIES``); ``guard`` defaults to SGLang's thresholds."""
+def make_policy(name: str, config: RoutingConfig | None = None) -> RoutingPolicy:
+    """A fresh policy by name (see ``ROUTING_POLICIES``); ``config`` defaults to SGLang's settings."""
     if name not in ROUTING_POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(ROUTING_POLICIES)}")
-    return ROUTING_POLICIES[name](guard or LoadGuard())
+    return ROUTING_POLICIES[name](config or RoutingConfig())

@@ -129,3 +129,24 @@ def test_streaming_errors_and_metrics_through_ray(cluster):
     replicas = {ln.split('replica="', 1)[1].split('"', 1)[0] for ln in metrics.splitlines() if 'replica="' in ln}
     assert len(replicas) == 2
     assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2, temperature=0).usage
+
+
+def test_outstanding_counts_choices_at_once_and_ends_them_on_completion():
+    from engine.serve.router import Outstanding
+
+    now = [0.0]
+    out = Outstanding(lapse_s=10, clock=lambda: now[0])
+    out.chose("q1", "a")
+    out.chose("q2", "a")  # a burst: the second choice already sees the first
+    assert out.loads(["a", "b"]) == {"a": 2, "b": 0}
+    out.routed("q2", "b")  # Ray used another replica (the chosen one was full)
+    assert out.loads(["a", "b"]) == {"a": 1, "b": 1}
+    out.completed("q2")
+    now[0] = 11  # q1 was never routed: its caller gave up
+    assert out.loads(["a", "b"]) == {"a": 0, "b": 0}
+    out.chose("q3", "b")
+    out.routed("q3", "b")
+    now[0] = 100  # a routed request counts until it completes, however long it runs
+    assert out.loads(["a", "b"]) == {"a": 0, "b": 1}
+    out.completed("q3")
+    assert out.loads(["a", "b"]) == {"a": 0, "b": 0}

@@ -4,7 +4,8 @@
 publishes its cache events there after each batch, in order (numbered; a replica resends what was not
 acknowledged, the holder skips what it has applied). ``PrefixAwareRouter`` is the deployment's Ray Serve
 ``RequestRouter``: for each request it asks the holder how many leading blocks of the prompt each replica
-holds, reads the replicas' queue lengths from Ray, and lets the routing policy choose. Ray's own
+holds, counts the requests it has outstanding at each replica (``Outstanding``), and lets the routing policy
+choose. Ray's own
 ``PrefixCacheAffinityRouter`` keeps an approximate text tree of what it *sent*; this index holds what the
 replicas *cache*, so an eviction is seen as soon as it happens.
 """
@@ -12,8 +13,9 @@ replicas *cache*, so an eviction is seen as soon as it happens.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -23,7 +25,6 @@ from prefixcache.core.events import BlocksRemoved
 from prefixcache.sim.routing import (
     CacheEvent,
     ClusterIndex,
-    Decision,
     IndexSyncError,
     LoadGuard,
     RoutingConfig,
@@ -105,17 +106,9 @@ class IndexHolder:
         self.applied.pop(replica, None)
         self._figures.pop(replica, None)
 
-    def record(self, request_id: str, replica: str, chosen: str, matched_blocks: int, reason: str) -> None:
-        """Log a routed request: where it went, what the policy chose and why, how many blocks it expected."""
-        self._decisions.append(
-            {
-                "request_id": request_id,
-                "replica": replica,
-                "chosen": chosen,
-                "matched_blocks": matched_blocks,
-                "reason": reason,
-            }
-        )
+    def record(self, entry: dict[str, Any]) -> None:
+        """Log a routed request (see ``PrefixAwareRouter.on_request_routed``)."""
+        self._decisions.append(entry)
 
     def decisions(self) -> list[dict[str, Any]]:
         """The routing decisions recorded so far (the latest 10,000)."""
@@ -124,6 +117,41 @@ class IndexHolder:
     def figures(self) -> dict[str, dict[str, Any]]:
         """Each replica's figures as of its last publish, with the blocks the index says it holds."""
         return {r: {**f, "index_blocks": self.index.num_blocks(r)} for r, f in self._figures.items()}
+
+
+class Outstanding:
+    """The load the router balances: requests it sent to each replica and has not yet seen complete. A choice
+    counts at once (so that the requests of a burst see each other rather than the same stale queue lengths),
+    moves to the replica Ray actually used when routed, and ends when Ray reports the request completed; a
+    choice never routed (its caller gave up) lapses after ``lapse_s``. Exact when one router sends everything
+    (one ingress, as ``prefixcache serve`` runs it)."""
+
+    def __init__(self, lapse_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lapse_s = lapse_s
+        self.clock = clock
+        self._chosen: dict[str, tuple[str, float]] = {}  # request -> (replica, when), not routed yet
+        self._routed: dict[str, str] = {}  # request -> replica, not completed yet
+
+    def chose(self, request: str, replica: str) -> None:
+        self._chosen[request] = (replica, self.clock())
+
+    def routed(self, request: str, replica: str) -> None:
+        self._chosen.pop(request, None)
+        self._routed[request] = replica
+
+    def completed(self, request: str) -> None:
+        self._chosen.pop(request, None)
+        self._routed.pop(request, None)
+
+    def loads(self, replicas: Sequence[str]) -> dict[str, float]:
+        """Outstanding requests per replica (0 for each of ``replicas`` with none)."""
+        now = self.clock()
+        for request in [q for q, (_, t) in self._chosen.items() if now - t > self.lapse_s]:
+            del self._chosen[request]
+        loads = dict.fromkeys(replicas, 0.0)
+        for replica in (*(r for r, _ in self._chosen.values()), *self._routed.values()):
+            loads[replica] = loads.get(replica, 0.0) + 1
+        return loads
 
 
 def call_of(pending: PendingRequest | None) -> GenerateCall | None:
@@ -154,22 +182,8 @@ class PrefixAwareRouter(RequestRouter):
 
         self._index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self._policy = make_policy(policy, RoutingConfig(LoadGuard(abs_threshold, rel_threshold), min_match))
-        self._decided: dict[str, Decision[str]] = {}  # request id -> the policy's choice, until Ray routes it
-
-    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, float]:
-        """Each replica's queue length: Ray's cached figure, else a probe (unanswered: full)."""
-        loads: dict[str, float] = {}
-        missing = []
-        for r in replicas:
-            q = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
-            if q is None:
-                missing.append(r)
-            else:
-                loads[r.replica_id.unique_id] = float(q)
-        if missing:
-            for r, q in await self._probe_queue_lens(missing, 0):
-                loads[r.replica_id.unique_id] = float(r.max_ongoing_requests if q is None else q)
-        return loads
+        self._decided: dict[str, dict[str, Any]] = {}  # request id -> what the policy saw and chose
+        self._outstanding = Outstanding()
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -179,13 +193,25 @@ class PrefixAwareRouter(RequestRouter):
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = sorted(by_id)
-        loads = await self._loads(candidate_replicas)
         matched: dict[str, int] = {}
         blocks = None
         if self._policy.uses_index:
             matched, blocks = await self._index.match.remote(call.prompt, call.namespace)
+        # no await from here on: a burst of requests is decided one after the other, each seeing the others
+        loads = self._outstanding.loads(order)
         decision = self._policy.choose(order, matched, loads, blocks=blocks)
-        self._decided[call.request_id] = decision
+        assert pending_request is not None
+        self._outstanding.chose(pending_request.metadata.internal_request_id, str(decision.replica))
+        self._decided[call.request_id] = {
+            "request_id": call.request_id,
+            "namespace": call.namespace,
+            "blocks": blocks,
+            "matched": matched,
+            "loads": loads,
+            "chosen": str(decision.replica),
+            "matched_blocks": decision.matched_blocks,
+            "reason": decision.reason,
+        }
         if len(self._decided) > 10_000:  # requests abandoned before Ray routed them
             del self._decided[next(iter(self._decided))]
         chosen = str(decision.replica)
@@ -193,13 +219,16 @@ class PrefixAwareRouter(RequestRouter):
         return [[by_id[chosen]], [by_id[r] for r in rest]]  # the others, by load, if the chosen one is full
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
-        """Record where the request went (the policy's choice, or a fallback when that replica was full)."""
+        """Log where the request went (the policy's choice, or a fallback when that replica was full), with what
+        the policy saw: the request's blocks, each replica's held prefix and load, and its reason."""
+        self._outstanding.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
         call = call_of(pending_request)
-        decision = self._decided.pop(call.request_id, None) if call is not None else None
-        if decision is not None:
-            self._index.record.remote(
-                call.request_id, replica_id.unique_id, str(decision.replica), decision.matched_blocks, decision.reason
-            )
+        entry = self._decided.pop(call.request_id, None) if call is not None else None
+        if entry is not None:
+            self._index.record.remote({**entry, "replica": replica_id.unique_id})
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        self._outstanding.completed(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)

@@ -213,16 +213,24 @@ def play(
     return result, time.perf_counter() - t0
 
 
-def warm_up(url: str, model: str) -> None:
-    """A few requests in their own tenant, so first-call costs stay out of the figures."""
+def warm_up(url: str, model: str, replicas: int, timeout_s: float = 120.0) -> None:
+    """Requests in a tenant of their own until every replica has served one (the router learns of replicas a
+    little after they are up), so that neither first-call costs nor a half-known cluster enter the figures."""
     api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-    for i in range(4):
+    deadline = time.monotonic() + timeout_s
+    i = 0
+    while True:
         api.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": f"warm up {i}"}],
             max_tokens=2,
-            extra_body={"cache_salt": "warm-up"},
+            extra_body={"cache_salt": f"warm-up-{i}"},
         )
+        i += 1
+        served = replica_series(url, "prefixcache_cache_lookups_total")
+        if (i >= 4 and sum(n > 0 for n in served.values()) >= replicas) or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -274,7 +282,7 @@ def run_group(setups: list[Setup], args: argparse.Namespace, logdir: Path) -> di
             pool = s.pool_factor * args.replica_cache_tokens
             cli = [*s.args, "--model", args.model, "--max-cached-tokens", str(pool), "--batch-wait-ms", "2"]
             url, pid = stack.enter_context(server(cli, logdir / f"server_{s.key}.log", args.startup_s))
-            warm_up(url, args.model)
+            warm_up(url, args.model, int(s.args[s.args.index("--replicas") + 1]) if "--replicas" in s.args else 1)
             live[s.key] = (url, None if "--replicas" in s.args else pid)
         for r in range(args.rounds):
             convs = conversations(args, args.seed + r)

@@ -7,6 +7,7 @@ evicted the history (small pools), the index knows and the router stops preferri
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -40,10 +41,24 @@ def cluster():
         serve.run(build_app(cfg, rcfg), name=rcfg.app_name, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        _until_the_router_sees_both_replicas(url, client, index)
         yield url, client, index
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _until_the_router_sees_both_replicas(url, client, index, timeout_s=120.0):
+    """/health answers 200 once both replicas are up; the router logs a decision once it knows two of them."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, httpx.get(f"{url}/health", timeout=30).text
+        time.sleep(0.2)
+    for i in range(1000):
+        client.completions.create(model=MODEL, prompt=f"warm-up {i}", max_tokens=1, extra_body={"cache_salt": f"w{i}"})
+        if len({d["replica"] for d in ray.get(index.decisions.remote())}) == 2:
+            return
+        assert time.monotonic() < deadline, "the router never saw both replicas"
 
 
 def _chat(client, messages, salt, max_tokens=6):

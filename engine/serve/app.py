@@ -88,8 +88,11 @@ def create_app(backend: Backend, *, default_max_tokens: int = 256) -> FastAPI:
         return JSONResponse(error_body(f"internal error: {exc!r}", type="server_error"), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        missing = await backend.ready()
+        if missing is not None:
+            return JSONResponse({"status": "starting", "detail": missing}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

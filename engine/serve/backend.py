@@ -38,6 +38,10 @@ class Backend(Protocol):
         """Fetch fresh per-replica figures (for /metrics); a no-op where they are local."""
         ...
 
+    async def ready(self) -> str | None:
+        """None when every replica is up, else what is still missing (for /health)."""
+        ...
+
     def figures(self) -> Mapping[str, Mapping[str, Any]]:
         """Each replica's figures (cache, queue, batches) as of the last refresh."""
         ...
@@ -106,6 +110,9 @@ class LocalBackend:
         return self.batcher.stream(call)
 
     async def refresh(self) -> None:
+        return None
+
+    async def ready(self) -> str | None:
         return None
 
     def figures(self) -> dict[str, dict[str, Any]]:

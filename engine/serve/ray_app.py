@@ -123,8 +123,9 @@ class ModelReplica:
 class RayBackend:
     """The app's backend in the ingress: calls go through the model deployment's handle (and its router)."""
 
-    def __init__(self, handle: DeploymentHandle[Any], info: ModelInfo, index: Any) -> None:
+    def __init__(self, handle: DeploymentHandle[Any], info: ModelInfo, index: Any, replicas: int) -> None:
         self.info = info
+        self.replicas = replicas
         self._handle = handle.options(stream=True)
         self._index = index
         self._figures: dict[str, dict[str, Any]] = {}
@@ -149,6 +150,11 @@ class RayBackend:
     async def refresh(self) -> None:
         self._figures = await self._index.figures.remote()
 
+    async def ready(self) -> str | None:
+        await self.refresh()
+        up = len(self._figures)  # a replica publishes once its model is loaded
+        return None if up >= self.replicas else f"{up} of {self.replicas} model replicas are up"
+
     def figures(self) -> dict[str, dict[str, Any]]:
         return self._figures
 
@@ -158,9 +164,9 @@ class RayBackend:
 class Ingress:
     """The OpenAI-compatible app (app.py) in front of the model replicas."""
 
-    def __init__(self, model: DeploymentHandle[Any], cfg: ServeConfig, index_name: str) -> None:
+    def __init__(self, model: DeploymentHandle[Any], cfg: ServeConfig, index_name: str, replicas: int) -> None:
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
-        self.backend = RayBackend(model, describe_model(cfg.model), index)
+        self.backend = RayBackend(model, describe_model(cfg.model), index, replicas)
         self.cfg = cfg
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -207,7 +213,7 @@ def build_app(cfg: ServeConfig, rcfg: RayConfig) -> Any:
     threads = max(1, int(rcfg.replica_cpus))
     model = ModelReplica.options(**options).bind(cfg, name, threads)  # type: ignore[attr-defined]
     ingress = Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)  # type: ignore[attr-defined]
-    return ingress.bind(model, cfg, name)
+    return ingress.bind(model, cfg, name, rcfg.replicas)
 
 
 def run_ray(cfg: ServeConfig, rcfg: RayConfig) -> int:

@@ -6,15 +6,22 @@ chat scenario against ``prefixcache serve`` in four set-ups:
 (c) 2 Ray Serve replicas, pool P each, Ray's default router (power of two choices);
 (d) 2 Ray Serve replicas, pool P each, ``PrefixAwareRouter`` (prefix_balanced).
 
-Each client plays whole conversations, turn after turn, the model's replies joining the history. Reported,
-as medians over rounds of fresh conversations (the one-process set-ups run side by side, round after round, so
-that the machine's drifting load hits both alike): requests/s, cluster token hit rate (sum of ``cached_tokens``
-/ sum of prompt tokens, from the responses' usage), time to first token p50/p99 (client side), mean batch
-size, server CPU per request (one process only), requests per replica (from /metrics) and their max/min.
-Targets: (b) >= 1.5x (a) requests/s; (d) hit rate >= 1.5x (c)'s and >= 0.9x (b)'s, max/min <= 1.5.
-Every server is a ``prefixcache serve`` subprocess on 127.0.0.1; each set-up is bounded in requests and seconds.
+Each client plays whole conversations, turn after turn, the model's replies joining the history. Two phases:
 
-    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--rounds 3] [--json FILE]
+- throughput, (a) and (b): the clients send the next turn at once (the server saturated), the two servers up
+  side by side and loaded in alternation round after round, so that the machine's drifting load hits both
+  alike. Target: (b) >= 1.5x (a) requests/s.
+- routing, (b') = (b) again as the one-process reference, then (c) and (d): users pause before each turn
+  (uniform in 0..2x ``--think-ms``), as people do, so a turn's arrival says nothing of where the previous one
+  ran. Targets: (d) token hit rate >= 1.5x (c)'s and >= 0.9x (b')'s, (d) max/min requests per replica <= 1.5.
+
+Reported, as medians over rounds of fresh conversations: requests/s, cluster token hit rate (sum of
+``cached_tokens`` / sum of prompt tokens, from the responses' usage), time to first token p50/p99 (client
+side), mean batch size, server CPU per request (one process only), requests per replica (from /metrics) and
+their max/min. Every server is a ``prefixcache serve`` subprocess on 127.0.0.1; each round is bounded in
+requests and seconds.
+
+    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--rounds 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -61,6 +68,16 @@ SETUPS = {
     "c": Setup("c", "2 Ray replicas, Ray's router", ("--replicas", "2", "--router", "ray_default"), 1),
     "d": Setup("d", "2 Ray replicas, PrefixAwareRouter", ("--replicas", "2", "--router", "prefix_balanced"), 1),
 }
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row: a set-up under one phase's think time."""
+
+    key: str
+    setup: Setup
+    think_ms: float
+    phase: str
 
 
 @dataclass
@@ -246,10 +263,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(url: str, pid: int | None, args: argparse.Namespace, convs: list) -> dict:
+def measure(url: str, pid: int | None, args: argparse.Namespace, convs: list, think_ms: float) -> dict:
     """One round of load on one server: its figures."""
     before, cpu0 = counters(url), cpu_seconds(pid) if pid else None
-    result, wall = play(url, args.model, convs, args.clients, args.max_tokens, args.budget_s, args.think_ms, args.seed)
+    result, wall = play(url, args.model, convs, args.clients, args.max_tokens, args.budget_s, think_ms, args.seed)
     after, cpu1 = counters(url), cpu_seconds(pid) if pid else None
 
     def delta(name: str) -> dict[str, float]:
@@ -272,26 +289,40 @@ def measure(url: str, pid: int | None, args: argparse.Namespace, convs: list) ->
     }
 
 
-def run_group(setups: list[Setup], args: argparse.Namespace, logdir: Path) -> dict[str, list[dict]]:
+def run_group(runs: list[Run], args: argparse.Namespace, logdir: Path) -> dict[str, list[dict]]:
     """Start the group's servers together, then play round after round on each in turn (fresh conversations
     every round, so drifting machine load hits every set-up of the group alike)."""
-    rounds: dict[str, list[dict]] = {s.key: [] for s in setups}
+    rounds: dict[str, list[dict]] = {run.key: [] for run in runs}
     with ExitStack() as stack:
         live = {}
-        for s in setups:
+        for run in runs:
+            s = run.setup
             pool = s.pool_factor * args.replica_cache_tokens
             cli = [*s.args, "--model", args.model, "--max-cached-tokens", str(pool), "--batch-wait-ms", "2"]
-            url, pid = stack.enter_context(server(cli, logdir / f"server_{s.key}.log", args.startup_s))
-            warm_up(url, args.model, int(s.args[s.args.index("--replicas") + 1]) if "--replicas" in s.args else 1)
-            live[s.key] = (url, None if "--replicas" in s.args else pid)
+            log = logdir / f"server_{run.key}_{run.phase}.log"
+            url, pid = stack.enter_context(server(cli, log, args.startup_s))
+            replicas = int(s.args[s.args.index("--replicas") + 1]) if "--replicas" in s.args else 1
+            warm_up(url, args.model, replicas)
+            live[run.key] = (url, None if replicas > 1 else pid)
         for r in range(args.rounds):
             convs = conversations(args, args.seed + r)
-            for s in setups:
-                rounds[s.key].append(measure(*live[s.key], args, convs))
+            for run in runs:
+                rounds[run.key].append(measure(*live[run.key], args, convs, run.think_ms))
     return rounds
 
 
-def summarize(setup: Setup, rounds: list[dict], args: argparse.Namespace) -> dict:
+def plan(args: argparse.Namespace) -> list[list[Run]]:
+    """Groups of runs: the throughput pair side by side, then the routing phase one server at a time."""
+    chosen = set(args.setups)
+    groups = [[Run(k, SETUPS[k], 0.0, "throughput") for k in "ab" if k in chosen]]
+    if chosen & {"c", "d"}:
+        if "b" in chosen:
+            groups.append([Run("b'", SETUPS["b"], args.think_ms, "routing")])
+        groups += [[Run(k, SETUPS[k], args.think_ms, "routing")] for k in "cd" if k in chosen]
+    return [g for g in groups if g]
+
+
+def summarize(run: Run, rounds: list[dict], args: argparse.Namespace) -> dict:
     """Medians over rounds (requests and per-replica counts summed)."""
 
     def median(key: str) -> float | None:
@@ -305,9 +336,12 @@ def summarize(setup: Setup, rounds: list[dict], args: argparse.Namespace) -> dic
     counts = sorted(per_replica.values())
     keys = ("wall_s", "requests_per_s", "token_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "mean_batch_size")
     return {
-        "setup": setup.key,
-        "label": setup.label,
-        "pool_tokens_per_process": setup.pool_factor * args.replica_cache_tokens,
+        "row": run.key,
+        "setup": run.setup.key,
+        "label": run.setup.label,
+        "phase": run.phase,
+        "think_ms": run.think_ms,
+        "pool_tokens_per_process": run.setup.pool_factor * args.replica_cache_tokens,
         "rounds": rounds,
         "requests": sum(r["requests"] for r in rounds),
         "errors": sum(r["errors"] for r in rounds),
@@ -326,9 +360,9 @@ def targets(rows: dict[str, dict]) -> list[tuple[str, float, float, bool]]:
     if {"c", "d"} <= rows.keys():
         r = rows["d"]["token_hit_rate"] / max(rows["c"]["token_hit_rate"], 1e-9)
         out.append(("(d)/(c) token hit rate", r, 1.5, r >= 1.5))
-    if {"b", "d"} <= rows.keys():
-        r = rows["d"]["token_hit_rate"] / max(rows["b"]["token_hit_rate"], 1e-9)
-        out.append(("(d)/(b) token hit rate (same total cache)", r, 0.9, r >= 0.9))
+    if {"b'", "d"} <= rows.keys():
+        r = rows["d"]["token_hit_rate"] / max(rows["b'"]["token_hit_rate"], 1e-9)
+        out.append(("(d)/(b') token hit rate (one process, same total cache)", r, 0.9, r >= 0.9))
     if "d" in rows and rows["d"]["max_over_min"] is not None:
         r = rows["d"]["max_over_min"]
         out.append(("(d) max/min requests per replica", r, 1.5, r <= 1.5))
@@ -342,33 +376,31 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients (K)")
     ap.add_argument("--tenants", type=int, default=4, help="tenants (cache salts)")
     ap.add_argument("--users", type=int, default=16, help="conversations per round")
-    ap.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    ap.add_argument("--turns", type=int, default=8, help="turns per conversation")
     ap.add_argument("--system-tokens", type=int, default=100, help="system prompt length (byte tokens)")
     ap.add_argument("--user-tokens", type=int, default=100, help="user message length (byte tokens)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn")
-    ap.add_argument("--think-ms", type=float, default=200.0, help="mean pause of a user between turns")
-    ap.add_argument("--replica-cache-tokens", type=int, default=4096, help="P: pool per Ray replica, in tokens")
+    ap.add_argument("--think-ms", type=float, default=1000.0, help="routing phase: mean pause before a turn")
+    ap.add_argument("--replica-cache-tokens", type=int, default=6144, help="P: pool per Ray replica, in tokens")
     ap.add_argument("--budget-s", type=float, default=300.0, help="time limit of one set-up's load")
     ap.add_argument("--startup-s", type=float, default=300.0, help="time limit of one server's start")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of load per set-up (fresh chats each round)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of load per set-up (fresh chats each round)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the results as JSON")
     args = ap.parse_args()
-    chosen = [SETUPS[k] for k in dict.fromkeys(args.setups)]
-    groups = [[s for s in chosen if "--replicas" not in s.args]] + [[s] for s in chosen if "--replicas" in s.args]
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
-        for group in groups:
-            if group:
-                for key, rounds in run_group(group, args, Path(tmp)).items():
-                    rows[key] = summarize(SETUPS[key], rounds, args)
-        rows = {k: rows[k] for k in dict.fromkeys(args.setups)}
+        for group in plan(args):
+            results = run_group(group, args, Path(tmp))
+            for run in group:
+                rows[run.key] = summarize(run, results[run.key], args)
 
     table = Table(
         title=f"serve: {args.clients} clients; per round {args.users} chats x {args.turns} turns, {args.tenants} "
-        f"tenants; model {args.model}; P = {args.replica_cache_tokens} tokens; medians of {args.rounds} rounds"
+        f"tenants, {args.max_tokens}-token replies; model {args.model}; P = {args.replica_cache_tokens} tokens; "
+        f"medians of {args.rounds} rounds"
     )
-    cols = ("set-up", "pool/proc", "requests", "req/s", "token hit", "TTFT p50 ms", "TTFT p99 ms", "batch")
+    cols = ("set-up", "think ms", "pool/proc", "requests", "req/s", "token hit", "TTFT p50 ms", "TTFT p99 ms", "batch")
     for col in (*cols, "server CPU ms/req", "per replica", "max/min"):
         table.add_column(col, justify="left" if col == "set-up" else "right")
 
@@ -377,7 +409,8 @@ def main() -> None:
 
     for r in rows.values():
         table.add_row(
-            f"({r['setup']}) {r['label']}",
+            f"({r['row']}) {r['label']}",
+            f"{r['think_ms']:.0f}",
             f"{r['pool_tokens_per_process']:,}",
             f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
             num(r["requests_per_s"], ".2f"),

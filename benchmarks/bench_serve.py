@@ -381,7 +381,12 @@ def main() -> None:
     ap.add_argument("--user-tokens", type=int, default=100, help="user message length (byte tokens)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn")
     ap.add_argument("--think-ms", type=float, default=1000.0, help="routing phase: mean pause before a turn")
-    ap.add_argument("--replica-cache-tokens", type=int, default=6144, help="P: pool per Ray replica, in tokens")
+    ap.add_argument(
+        "--replica-cache-tokens",
+        type=int,
+        default=4096,
+        help="P: pool per Ray replica, in tokens (default: about half the chats in flight, where routing matters)",
+    )
     ap.add_argument("--budget-s", type=float, default=300.0, help="time limit of one set-up's load")
     ap.add_argument("--startup-s", type=float, default=300.0, help="time limit of one server's start")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of load per set-up (fresh chats each round)")

@@ -22,7 +22,7 @@ side), mean batch size, server CPU per request (one process only), requests per 
 their max/min. Every server is a ``prefixcache serve`` subprocess on 127.0.0.1; each round is bounded in
 requests and seconds.
 
-    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--rounds 2] [--json FILE]
+    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ def main() -> None:
     )
     ap.add_argument("--budget-s", type=float, default=300.0, help="time limit of one set-up's load")
     ap.add_argument("--startup-s", type=float, default=300.0, help="time limit of one server's start")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of load per set-up (fresh chats each round)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of load per set-up (fresh chats each round)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the results as JSON")
     args = ap.parse_args()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,12 +294,13 @@ class PrefixCachedModel:
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
-        namespace: str = "default",
+        namespace: str | Sequence[str] = "default",
         **kwargs,
     ) -> Any:
         """``model.generate`` with prefix caching; same arguments, same return value.
 
         ``namespace`` (tenant, adapter, ...) separates caches: requests never share blocks across namespaces.
+        A sequence gives one namespace per batch row (a server batch mixes tenants).
         Changes the cache: matched blocks are refreshed, new full blocks of prompt + output are inserted.
         """
         if input_ids is None and "inputs" in kwargs:
@@ -309,8 +311,7 @@ class PrefixCachedModel:
                     f"PrefixCachedModel.generate: a caller-supplied {key}= cannot be combined with the prefix cache "
                     "(it supplies the cache itself); call the wrapped model's generate (pcm.model.generate) instead"
                 )
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        namespaces = _row_namespaces(namespace, input_ids)
         with self._lock:
             gc = None
             reason = "nested call (from inside another generate of this wrapper)" if self._active else None
@@ -328,7 +329,8 @@ class PrefixCachedModel:
             self._follow_model()
             self._active += 1
             try:
-                return self._generate_cached(input_ids, attention_mask, gc, f"{self.fingerprint}:{namespace}", kwargs)
+                spaces = [f"{self.fingerprint}:{ns}" for ns in namespaces]
+                return self._generate_cached(input_ids, attention_mask, gc, spaces, kwargs)
             finally:
                 self._active -= 1
 
@@ -405,7 +407,7 @@ class PrefixCachedModel:
             return None, "prefill_chunk_size"
         return gc, None
 
-    def _generate_cached(self, input_ids: torch.Tensor, attention_mask, gc, namespace: str, kwargs: dict):
+    def _generate_cached(self, input_ids: torch.Tensor, attention_mask, gc, namespaces: list[str], kwargs: dict):
         """One batched ``model.generate`` over a cache in which every row's prompt but its last token is ready.
 
         Each row (left padding stripped) gets its own cached prefix, gathered into row r of a batch buffer at
@@ -434,7 +436,7 @@ class PrefixCachedModel:
         alive = True
         try:
             matches, live = [], []
-            for row in rows:
+            for row, namespace in zip(rows, namespaces):
                 ids = as_token_array(row.detach().cpu())
                 matches.append(self.cache.match(ids, namespace))
                 handles.append(matches[-1].handle)
@@ -548,6 +550,22 @@ def _fingerprint(model) -> str:
     except Exception:  # pragma: no cover
         cfg = repr(model.config)
     return xxhash.xxh3_64_hexdigest(f"{type(model).__name__}|{model.dtype}|{cfg}".encode())
+
+
+def _row_namespaces(namespace: Any, input_ids: Any) -> list[str]:
+    """One namespace per batch row: a str applies to every row, a sequence must give one str per row."""
+    rows = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else 1
+    if isinstance(namespace, str):
+        return [namespace] * rows
+    if not isinstance(namespace, Sequence):
+        raise TypeError(f"namespace must be a str or a sequence of str, got {type(namespace).__name__}")
+    spaces = list(namespace)
+    for i, ns in enumerate(spaces):
+        if not isinstance(ns, str):
+            raise TypeError(f"namespace[{i}] must be a str, got {type(ns).__name__}")
+    if len(spaces) != rows:
+        raise ValueError(f"namespace gives {len(spaces)} namespaces for {rows} batch rows; give one per row")
+    return spaces
 
 
 def _eos_ids(gc, device) -> torch.Tensor | None:

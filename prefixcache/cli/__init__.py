@@ -8,7 +8,10 @@ the partial run (marked ``"partial": true``) and exits with 130.
 from __future__ import annotations
 
 from prefixcache.cli import explain, plan, replay, report, simulate  # noqa: F401  (each registers its command)
+from prefixcache.cli import serve as serve_cli
 from prefixcache.cli.app import app
+
+serve_cli.register(app)  # the engine, FastAPI and Ray load only inside the command
 
 
 def main() -> None:

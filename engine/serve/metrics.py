@@ -1,0 +1,96 @@
+"""Prometheus metrics of the server (prometheus-client), in a registry of their own.
+
+Request-level series are counted where requests enter (the app): requests by endpoint and status, prompt /
+cached / completion tokens as served, and a time-to-first-token histogram. Cache- and batch-level series come
+from a snapshot per replica (one process: replica "local"), read at scrape time: hit rate, evictions, pool
+occupancy, queue length, batches formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+Snapshot = Mapping[str, Mapping[str, Any]]  # replica -> its figures (keys below)
+
+# name, kind, help, the snapshot key it reads
+_REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("prefixcache_cache_token_hit_rate", "gauge", "Prompt tokens served from cache / prompt tokens", "token_hit_rate"),
+    ("prefixcache_cache_prompt_tokens", "counter", "Prompt tokens looked up in the cache", "prompt_tokens"),
+    ("prefixcache_cache_cached_tokens", "counter", "Prompt tokens served from the cache", "cached_tokens"),
+    ("prefixcache_cache_lookups", "counter", "Cache lookups (one per request)", "lookups"),
+    ("prefixcache_cache_evicted_blocks", "counter", "Blocks evicted from the KV pool", "blocks_evicted"),
+    ("prefixcache_cache_blocks_used", "gauge", "KV pool blocks holding cached prefixes", "blocks_used"),
+    ("prefixcache_cache_blocks_capacity", "gauge", "KV pool size in blocks", "blocks_capacity"),
+    ("prefixcache_cache_pool_occupancy", "gauge", "Fraction of the KV pool in use", "pool_occupancy"),
+    ("prefixcache_queue_length", "gauge", "Requests waiting for a batch", "queue_length"),
+    ("prefixcache_running_requests", "gauge", "Requests in the batch now running", "running"),
+    ("prefixcache_batches", "counter", "Batched generate calls run", "batches"),
+    ("prefixcache_batch_rows", "counter", "Requests run in those batches", "batch_rows"),
+    ("prefixcache_max_batch_size", "gauge", "Largest batch formed so far", "max_batch_size"),
+)
+
+
+class _ReplicaCollector(Collector):
+    """Yields the per-replica series from ``snapshot()`` at each scrape."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        for name, kind, doc, key in _REPLICA_SERIES:
+            family: GaugeMetricFamily | CounterMetricFamily
+            if kind == "gauge":
+                family = GaugeMetricFamily(name, doc, labels=["replica"])
+            else:
+                family = CounterMetricFamily(name, doc, labels=["replica"])
+            for replica, figures in sorted(snap.items()):
+                if key in figures:
+                    family.add_metric([replica], float(figures[key]))
+            yield family
+
+
+class ServeMetrics:
+    """The server's metrics. ``snapshot()`` returns each replica's figures (see ``replica_figures``)."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("prefixcache_requests", "Requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("prefixcache_prompt_tokens", "Prompt tokens of answered requests", registry=r)
+        self.cached_tokens = Counter(
+            "prefixcache_cached_tokens", "Prompt tokens of answered requests served from cache", registry=r
+        )
+        self.completion_tokens = Counter("prefixcache_completion_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "prefixcache_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r,
+        )
+        r.register(_ReplicaCollector(snapshot))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def replica_figures(cache_stats: Mapping[str, Any], batcher_stats: Mapping[str, Any]) -> dict[str, Any]:
+    """One replica's snapshot from ``PrefixCachedModel.cache_stats()`` and ``Batcher.stats()``."""
+    cap = cache_stats.get("blocks_capacity") or 0
+    figures = {
+        k: cache_stats[k] for k in ("token_hit_rate", "prompt_tokens", "cached_tokens", "lookups") if k in cache_stats
+    }
+    figures.update(
+        blocks_evicted=cache_stats.get("blocks_evicted", 0),
+        blocks_used=cache_stats.get("blocks_used", 0),
+        blocks_capacity=cap,
+        pool_occupancy=(cache_stats.get("blocks_used", 0) / cap) if cap else 0.0,
+    )
+    figures.update(batcher_stats)
+    return figures

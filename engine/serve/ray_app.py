@@ -1,0 +1,242 @@
+"""The same app on Ray Serve: N model replicas behind a prefix-aware router.
+
+```
+HTTP -> Ray Serve proxy -> Ingress (1 replica: the FastAPI app from app.py; tokenizes, validates)
+          -> DeploymentHandle.generate(GenerateCall)  [PrefixAwareRouter picks the replica]
+          -> ModelReplica x N (each: a PrefixCachedModel, a Batcher; after each batch its cache events go to
+             the IndexHolder actor, which the router asks)
+```
+
+The router needs the prompt's tokens to look up the index, so the model replicas sit behind a handle (the
+router of an HTTP ingress sees no body): the same split as Ray Serve LLM's OpenAI ingress and its servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from engine.serve import ServeConfig
+from engine.serve.app import create_app
+from engine.serve.backend import ModelInfo, describe_model, load_wrapped
+from engine.serve.batcher import Batcher, StreamItem
+from engine.serve.metrics import replica_figures
+from engine.serve.protocol import Finished, GenerateCall
+from engine.serve.router import INDEX_NAMESPACE, IndexHolder, PrefixAwareRouter
+
+logger = logging.getLogger("ray.serve")
+APP_NAME = "prefixcache"
+RAY_DEFAULT_ROUTER = "ray_default"  # Ray Serve's own power-of-two-choices router
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Replicas and routing. ``router``: a policy of ``prefixcache.sim.routing.ROUTING_POLICIES`` run by
+    ``PrefixAwareRouter``, or "ray_default" for Ray Serve's own router."""
+
+    replicas: int = 2
+    address: str | None = None  # None: start a local Ray instance
+    router: str = "prefix_balanced"
+    abs_threshold: float = 64.0
+    rel_threshold: float = 1.5
+    min_match: float = 0.3
+    replica_cpus: float = 1.0
+    app_name: str = APP_NAME
+
+
+class EventPublisher:
+    """Collects one replica's cache events and sends them, numbered, to the IndexHolder (``flush``, after each
+    batch, on the batch thread). Unacknowledged batches are resent with the next flush."""
+
+    def __init__(self, pcm: Any, index: Any, replica: str) -> None:
+        self.pcm = pcm
+        self.index = index
+        self.replica = replica
+        self._events: list[Any] = []
+        self._unacked: list[tuple[int, list[Any]]] = []
+        self._number = 0
+        self.unsubscribe = pcm.cache.subscribe(self._events.append)
+
+    def flush(self, figures: dict[str, Any]) -> None:
+        if self._events:
+            self._number += 1
+            self._unacked.append((self._number, list(self._events)))
+            self._events.clear()
+        try:
+            ref = self.index.publish.remote(self.replica, self.pcm.fingerprint, self._unacked, figures)
+            acked = ray.get(ref, timeout=30)
+        except Exception as exc:  # the index is unreachable: keep the events, resend next time
+            logger.warning("prefixcache: could not publish cache events of %s: %r", self.replica, exc)
+            return
+        self._unacked = [(n, e) for n, e in self._unacked if n > acked]
+
+
+@serve.deployment(name="PrefixCachedModel")
+class ModelReplica:
+    """One model replica: a PrefixCachedModel, a Batcher, and an EventPublisher feeding the router's index."""
+
+    def __init__(self, cfg: ServeConfig, index_name: str, threads: int | None = None) -> None:
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.pcm = load_wrapped(
+            cfg.model, max_cached_tokens=cfg.max_cached_tokens, block_size=cfg.block_size, seed=cfg.seed
+        )
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
+        self.publisher = EventPublisher(self.pcm, index, self.replica)
+        self.batcher = Batcher(
+            self.pcm, max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms, after_batch=self._publish
+        )
+        self._started = False
+        self._publish()  # the index learns of this replica (and the model's fingerprint) before any request
+
+    def _publish(self) -> None:
+        self.publisher.flush(replica_figures(self.batcher.cache_stats, self.batcher.stats()))
+
+    async def generate(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
+        """Token ids as they come, then ``Finished`` (naming this replica)."""
+        if not self._started:
+            self._started = True
+            await self.batcher.start()
+        async with aclosing(self.batcher.stream(call)) as items:
+            async for item in items:
+                yield replace(item, replica=self.replica) if isinstance(item, Finished) else item
+
+    async def __del__(self) -> None:
+        if self._started:
+            await self.batcher.stop()
+
+
+class RayBackend:
+    """The app's backend in the ingress: calls go through the model deployment's handle (and its router)."""
+
+    def __init__(self, handle: DeploymentHandle[Any], info: ModelInfo, index: Any, replicas: int) -> None:
+        self.info = info
+        self.replicas = replicas
+        self._handle = handle.options(stream=True)
+        self._index = index
+        self._figures: dict[str, dict[str, Any]] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
+        gen: Any = self._handle.generate.remote(call)  # a DeploymentResponseGenerator (stream=True)
+        finished = False
+        try:
+            async for item in gen:
+                finished = isinstance(item, Finished)
+                yield item
+        finally:
+            if not finished:  # the client went away: stop the replica's row
+                gen.cancel()
+
+    async def refresh(self) -> None:
+        self._figures = await self._index.figures.remote()
+
+    async def ready(self) -> str | None:
+        await self.refresh()
+        up = len(self._figures)  # a replica publishes once its model is loaded
+        return None if up >= self.replicas else f"{up} of {self.replicas} model replicas are up"
+
+    def figures(self) -> dict[str, dict[str, Any]]:
+        return self._figures
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    """The OpenAI-compatible app (app.py) in front of the model replicas."""
+
+    def __init__(self, model: DeploymentHandle[Any], cfg: ServeConfig, index_name: str, replicas: int) -> None:
+        index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
+        self.backend = RayBackend(model, describe_model(cfg.model), index, replicas)
+        self.cfg = cfg
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.backend, default_max_tokens=self.cfg.default_max_tokens)
+
+
+def index_name(app_name: str) -> str:
+    return f"prefixcache-index-{app_name}"
+
+
+def start_index(cfg: ServeConfig, rcfg: RayConfig) -> Any:
+    """A fresh IndexHolder actor for the app (an old one of the same name is killed first). It lives as long as
+    the returned handle: keep it."""
+    name = index_name(rcfg.app_name)
+    with contextlib.suppress(ValueError):  # none yet
+        ray.kill(ray.get_actor(name, namespace=INDEX_NAMESPACE))
+    holder: Any = ray.remote(num_cpus=0)(IndexHolder)
+    index = holder.options(name=name, namespace=INDEX_NAMESPACE).remote(cfg.block_size)
+    ray.get(index.figures.remote())  # up and registered under its name before any replica looks for it
+    return index
+
+
+def build_app(cfg: ServeConfig, rcfg: RayConfig) -> Any:
+    """The Ray Serve application (start the index first: ``start_index``)."""
+    if rcfg.replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {rcfg.replicas}")
+    name = index_name(rcfg.app_name)
+    options: dict[str, Any] = {
+        "num_replicas": rcfg.replicas,
+        "ray_actor_options": {"num_cpus": rcfg.replica_cpus},
+        "max_ongoing_requests": max(16, 4 * cfg.max_batch_size),
+    }
+    if rcfg.router != RAY_DEFAULT_ROUTER:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAwareRouter,  # type: ignore[arg-type]  # a class is accepted too
+            request_router_kwargs={
+                "index_name": name,
+                "policy": rcfg.router,
+                "abs_threshold": rcfg.abs_threshold,
+                "rel_threshold": rcfg.rel_threshold,
+                "min_match": rcfg.min_match,
+            },
+        )
+    threads = max(1, int(rcfg.replica_cpus))
+    model = ModelReplica.options(**options).bind(cfg, name, threads)  # type: ignore[attr-defined]
+    ingress = Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)  # type: ignore[attr-defined]
+    return ingress.bind(model, cfg, name, rcfg.replicas)
+
+
+def run_ray(cfg: ServeConfig, rcfg: RayConfig) -> int:
+    """Serve on Ray until SIGINT/SIGTERM (a local Ray instance unless ``rcfg.address``); returns 0 after a
+    graceful stop (Ray Serve lets in-flight requests finish)."""
+    from prefixcache.cli import console
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=rcfg.address, include_dashboard=False)
+    stop = threading.Event()
+    old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        index = start_index(cfg, rcfg)  # noqa: F841  (held: the actor lives while its handle does)
+        serve.run(build_app(cfg, rcfg), name=rcfg.app_name, route_prefix="/")
+        console.info(f"serving {cfg.model} on http://{cfg.host}:{cfg.port} with {rcfg.replicas} Ray Serve replicas")
+        stop.wait()
+        serve.delete(rcfg.app_name)
+        serve.shutdown()  # type: ignore[no-untyped-call]
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if started:
+            ray.shutdown()
+    return 0

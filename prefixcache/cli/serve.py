@@ -1,0 +1,126 @@
+"""The ``serve`` CLI command: an OpenAI-compatible server, one process (uvicorn) or N Ray Serve replicas with
+prefix-aware routing. ``register(app)`` adds it to the typer app. The engine, FastAPI and Ray are imported
+only inside the command; a missing extra is one line naming what to install, exit status 2."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+from rich.markup import escape
+
+from prefixcache.cli import console
+
+EXIT_USAGE = 2
+_EXTRAS = {  # module -> the extra that installs it
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "ray.serve": "ray",
+}
+
+
+def _require(*modules: str) -> None:
+    """Exit 2 with one line naming the extra to install when one of ``modules`` is missing."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            extra = _EXTRAS[name]
+            console.error(escape(f"prefixcache serve needs {name}: pip install 'prefixcache[{extra}]'"))
+            raise typer.Exit(EXIT_USAGE) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``serve`` command to ``app`` (changes ``app`` only)."""
+
+    @app.command("serve")
+    def serve(
+        model: str = typer.Option("tiny", "--model", help="Built-in preset (tiny, small) or a local model directory."),
+        max_cached_tokens: int | None = typer.Option(
+            None, "--max-cached-tokens", min=1, help="KV pool size per process, in tokens (default 32768)."
+        ),
+        block_size: int = typer.Option(16, "--block-size", min=1, help="Tokens per cached block."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+        port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
+        max_batch_size: int = typer.Option(8, "--max-batch-size", min=1, help="Requests per batched generate."),
+        batch_wait_ms: float = typer.Option(
+            5.0, "--batch-wait-ms", min=0.0, help="How long the oldest waiting request waits for others to join."
+        ),
+        max_tokens: int = typer.Option(
+            256, "--default-max-tokens", min=1, help="Tokens a chat completion may generate when it names no limit."
+        ),
+        seed: int = typer.Option(0, "--seed", help="Weight seed of a built-in preset."),
+        replicas: int = typer.Option(
+            1, "--replicas", min=1, help="N >= 2: N Ray Serve replicas, prefix-aware routing."
+        ),
+        address: str | None = typer.Option(
+            None, "--address", help="Ray cluster to join (default: start a local Ray instance)."
+        ),
+        router: str = typer.Option(
+            "prefix_balanced",
+            "--router",
+            help="Routing across replicas: round_robin, least_loaded, prefix, prefix_balanced (prefixcache.sim."
+            "routing, run by PrefixAwareRouter) or ray_default (Ray Serve's power-of-two-choices router).",
+        ),
+        router_abs_threshold: float = typer.Option(
+            64, "--router-abs-threshold", min=0.0, help="Load guard: queue difference that counts as imbalance."
+        ),
+        router_rel_threshold: float = typer.Option(
+            1.5, "--router-rel-threshold", min=1.0, help="Load guard: queue ratio that counts as imbalance."
+        ),
+        router_min_match: float = typer.Option(
+            0.3,
+            "--router-min-match",
+            min=0.0,
+            max=1.0,
+            help="prefix_balanced follows a cached prefix only if it covers this fraction of the prompt.",
+        ),
+    ) -> None:
+        """Serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
+
+        Examples:
+
+          prefixcache serve --model tiny --port 8000
+
+          prefixcache serve --model small --replicas 2 --max-cached-tokens 65536
+        """
+        if replicas > 1:
+            from prefixcache.sim.routing import ROUTING_POLICIES
+
+            known = [*ROUTING_POLICIES, "ray_default"]
+            if router not in known:
+                console.error(f"--router: unknown policy {router!r}; known: {', '.join(known)}")
+                raise typer.Exit(EXIT_USAGE)
+        if address is not None and replicas < 2:
+            console.error("--address joins a Ray cluster: it needs --replicas N with N >= 2")
+            raise typer.Exit(EXIT_USAGE)
+        _require("fastapi", "uvicorn", "prometheus_client")
+        from engine.serve import ServeConfig, run_local
+
+        cfg = ServeConfig(
+            model=model,
+            max_cached_tokens=max_cached_tokens,
+            block_size=block_size,
+            host=host,
+            port=port,
+            max_batch_size=max_batch_size,
+            batch_wait_ms=batch_wait_ms,
+            default_max_tokens=max_tokens,
+            seed=seed,
+        )
+        try:
+            if replicas == 1:
+                status = run_local(cfg)
+            else:
+                _require("ray.serve")
+                from engine.serve.ray_app import RayConfig, run_ray
+
+                rcfg = RayConfig(
+                    replicas, address, router, router_abs_threshold, router_rel_threshold, router_min_match
+                )
+                status = run_ray(cfg, rcfg)
+        except ValueError as exc:  # a bad model name or size, found while loading
+            console.error(str(exc))
+            raise typer.Exit(EXIT_USAGE) from None
+        raise typer.Exit(status)

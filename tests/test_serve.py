@@ -1,0 +1,405 @@
+"""``prefixcache serve`` in one process: a real uvicorn server on 127.0.0.1, driven by the ``openai`` client.
+
+Greedy outputs equal the bare model's; ``cached_tokens`` equals an independent record of what was cached;
+streams carry the same text; salts isolate; concurrent requests form one batch with unchanged outputs; bad
+input gets an OpenAI error object and leaves no pin; SIGTERM lets an in-flight request finish, then exit 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import signal
+import threading
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from serve_testutil import Committed, bare_greedy, cli_server, server_thread
+
+from engine.models import build_preset
+from engine.serve.app import create_app
+from engine.serve.backend import LocalBackend, load_wrapped
+
+BS = 16
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def bare():
+    model, tokenizer = build_preset(MODEL)  # the same seeded weights the server loads
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def srv():
+    pcm = load_wrapped(MODEL, max_cached_tokens=32_768, block_size=BS)
+    backend = LocalBackend(pcm, MODEL, max_batch_size=8, batch_wait_ms=5)
+    with server_thread(create_app(backend, default_max_tokens=12)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield url, client, pcm, backend
+
+
+def _idle(backend, pcm) -> None:
+    """No pinned block and a consistent cache, checked on the worker thread between batches."""
+
+    def check() -> int:
+        pcm.cache.check_integrity()
+        return pcm.cache.num_active_requests
+
+    assert backend.batcher.run_exclusive(check).result(timeout=60) == 0
+
+
+def _salt() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def test_completions_and_chat_equal_the_bare_model_and_report_cached_tokens(srv, bare):
+    url, client, pcm, backend = srv
+    model, tok = bare
+    salt = _salt()
+    committed = Committed(BS)
+    evicted = pcm.cache_stats()["blocks_evicted"]
+    shared = "You are a terse assistant for the prefixcache test suite. " * 2
+    prompts = [shared + "First question?", shared + "Second question, longer than the first?", shared + "First"]
+    hits = 0
+    for text in prompts + prompts[:1]:
+        ids = list(tok(text).input_ids)
+        want = bare_greedy(model, ids, 10)
+        r = client.completions.create(
+            model=MODEL, prompt=text, max_tokens=10, temperature=0, extra_body={"cache_salt": salt}
+        )
+        assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want)
+        assert r.usage.prompt_tokens_details.cached_tokens == committed.expect(salt, ids)
+        hits += r.usage.prompt_tokens_details.cached_tokens > 0
+        committed.add(salt, ids, want)
+    # token-id prompts go in as they are
+    ids = list(tok(shared + "ids").input_ids)
+    want = bare_greedy(model, ids, 6)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body={"cache_salt": salt})
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert r.usage.prompt_tokens_details.cached_tokens == committed.expect(salt, ids)
+    committed.add(salt, ids, want)
+    # a chat: the next turn carries the history and hits it
+    messages = [{"role": "system", "content": shared}, {"role": "user", "content": "Hello, who are you?"}]
+    for turn in range(3):
+        ids = _chat_ids(tok, messages)
+        want = bare_greedy(model, ids, 8)
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"cache_salt": salt}
+        )
+        reply = r.choices[0].message.content
+        assert reply == tok.decode(want, skip_special_tokens=True)
+        assert r.usage.prompt_tokens == len(ids)
+        assert r.usage.prompt_tokens_details.cached_tokens == committed.expect(salt, ids)
+        hits += r.usage.prompt_tokens_details.cached_tokens > 0
+        committed.add(salt, ids, want)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And turn {turn}?"}]
+    assert hits >= 5  # the shared prefix and the chat history were served from cache
+    assert pcm.cache_stats()["blocks_evicted"] == evicted  # the record above assumes nothing was evicted
+    _idle(backend, pcm)
+
+
+def test_streaming_yields_the_same_text_and_usage(srv, bare):
+    url, client, pcm, backend = srv
+    model, tok = bare
+    salt = _salt()
+    text = "Streaming test prompt, long enough to cover a few blocks of sixteen tokens each."
+    ids = list(tok(text).input_ids)
+    want = tok.decode(bare_greedy(model, ids, 24), skip_special_tokens=True)
+    for attempt in range(2):  # the second time, the prompt's blocks are cached
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=text,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"cache_salt": salt},
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 24
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (
+            0 if attempt == 0 else (len(ids) - 1) // BS * BS
+        )
+    messages = [{"role": "user", "content": "Stream a chat reply, please."}]
+    chat_ids = _chat_ids(tok, messages)
+    want = tok.decode(bare_greedy(model, chat_ids, 20), skip_special_tokens=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True, extra_body={"cache_salt": salt}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    _idle(backend, pcm)
+
+
+def test_cache_salt_isolates_tenants(srv, bare):
+    url, client, pcm, backend = srv
+    _, tok = bare
+    a, b = _salt(), _salt()
+    prompt = "The same long prompt sent by two tenants who must never share a cached block. " * 2
+    full = (len(tok(prompt).input_ids) - 1) // BS * BS
+
+    def cached(**extra) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, **extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(extra_body={"cache_salt": a}) == 0
+    assert cached(extra_body={"cache_salt": a}) == full
+    assert cached(extra_body={"cache_salt": b}) == 0  # b never sees a's blocks
+    assert cached(extra_headers={"X-Cache-Salt": b}) == full  # the header names the same tenant as the field
+    assert cached(extra_headers={"X-Cache-Salt": a}, extra_body={"cache_salt": b}) == full  # the field wins
+    assert cached() == 0  # no salt: the default namespace, shared with no salted tenant
+    assert cached() == full
+    _idle(backend, pcm)
+
+
+def test_concurrent_requests_form_one_batch_with_unchanged_outputs(srv, bare):
+    url, client, pcm, backend = srv
+    model, tok = bare
+    salts = [_salt(), _salt()]
+    base = "Concurrent batch test: rows of different lengths and tenants. "
+    prompts = [base + "x" * 5, base + "a longer tail " * 3, base, base + "y" * 20]
+    # give the first tenant a cached prefix, so rows hit different lengths
+    client.completions.create(
+        model=MODEL, prompt=base, max_tokens=1, temperature=0, extra_body={"cache_salt": salts[0]}
+    )
+    refs = [bare_greedy(model, list(tok(p).input_ids), 8) for p in prompts]
+    expected_cached = [
+        backend.batcher.run_exclusive(
+            lambda p=p, i=i: pcm.probe(list(tok(p).input_ids), f"salt:{salts[i % 2]}")
+        ).result()
+        for i, p in enumerate(prompts)
+    ]
+    before = backend.batcher.stats()
+    # a long request keeps the worker busy, so the four below all wait and go together
+    blocker = threading.Thread(
+        target=lambda: client.completions.create(model=MODEL, prompt="blocker", max_tokens=400, temperature=0)
+    )
+    blocker.start()
+    deadline = time.monotonic() + 30
+    while backend.batcher.stats()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+    def one(i: int):
+        return client.completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=8, temperature=0, extra_body={"cache_salt": salts[i % 2]}
+        )
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    blocker.join()
+    after = backend.batcher.stats()
+    assert after["batch_rows"] - before["batch_rows"] == 5
+    assert after["batches"] - before["batches"] == 2  # the blocker, then the four together
+    assert after["max_batch_size"] >= 4
+    for r, ref, want_cached in zip(results, refs, expected_cached):
+        assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+        assert r.usage.prompt_tokens_details.cached_tokens == want_cached
+    assert expected_cached[0] > 0 and expected_cached[1] == 0
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'prefixcache_max_batch_size{replica="local"} ' in metrics
+    _idle(backend, pcm)
+
+
+BAD_REQUESTS = {
+    "malformed json": ("completions", b'{"model": "tiny", "prompt": "a",', 400, None, None),
+    "not an object": ("completions", b"[1, 2, 3]", 400, None, None),
+    "max_tokens a string": ("completions", {"model": MODEL, "prompt": "a", "max_tokens": "5"}, 400, "max_tokens", None),
+    "temperature a string": (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "temperature": "hot"},
+        400,
+        "temperature",
+        None,
+    ),
+    "prompt a number": ("completions", {"model": MODEL, "prompt": 5}, 400, "prompt", None),
+    "messages not a list": ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
+    "unknown role": (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "a"}]},
+        400,
+        None,
+        None,
+    ),
+    "stream not a bool": ("completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream", None),
+    "missing prompt": ("completions", {"model": MODEL}, 400, "prompt", None),
+    "unknown model": ("completions", {"model": "gpt-9", "prompt": "a"}, 404, "model", "model_not_found"),
+    "prompt longer than the context": (
+        "completions",
+        {"model": MODEL, "prompt": "z" * 2100},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    "prompt + max_tokens beyond the context": (
+        "completions",
+        {"model": MODEL, "prompt": "z" * 2000, "max_tokens": 100},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    "token id outside the vocabulary": ("completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt", None),
+    "empty salt": ("completions", {"model": MODEL, "prompt": "a", "cache_salt": ""}, 400, "cache_salt", None),
+    "n > 1": ("completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_gets_an_error_object_and_the_server_keeps_serving(srv, case):
+    url, client, pcm, backend = srv
+    path, body, status, param, code = BAD_REQUESTS[case]
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    r = httpx.post(f"{url}/v1/{path}", timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+    assert err["code"] == code
+    _idle(backend, pcm)
+    ok = client.completions.create(model=MODEL, prompt="still serving", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_unknown_route_and_models_health_metrics(srv):
+    url, client, pcm, backend = srv
+    r = httpx.get(f"{url}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    before = httpx.get(f"{url}/metrics").text
+    r = client.completions.create(model=MODEL, prompt="metrics " * 10, max_tokens=4, temperature=0)
+    after = httpx.get(f"{url}/metrics").text
+
+    def value(text: str, name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert (
+        value(after, "prefixcache_prompt_tokens_total") - value(before, "prefixcache_prompt_tokens_total")
+        == r.usage.prompt_tokens
+    )
+    assert (
+        value(after, "prefixcache_completion_tokens_total") - value(before, "prefixcache_completion_tokens_total") == 4
+    )
+    assert value(after, "prefixcache_time_to_first_token_seconds_count") > value(
+        before, "prefixcache_time_to_first_token_seconds_count"
+    )
+    stats = pcm.cache_stats()
+    assert value(after, "prefixcache_cache_blocks_used") == stats["blocks_used"]
+    assert value(after, "prefixcache_cache_token_hit_rate") == pytest.approx(stats["token_hit_rate"])
+    for name in (
+        "prefixcache_cache_evicted_blocks_total",
+        "prefixcache_cache_pool_occupancy",
+        "prefixcache_queue_length",
+    ):
+        value(after, name)
+
+
+def test_client_disconnecting_mid_stream_stops_its_row_and_leaves_no_pin(srv):
+    url, client, pcm, backend = srv
+    inserted = pcm.cache_stats()["blocks_inserted"]
+    body = {"model": MODEL, "prompt": "disconnect me", "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [json.loads(ln[6:]) for ln in (next(lines) for _ in range(3)) if ln.startswith("data: {")]
+        assert got  # the stream was running
+    deadline = time.monotonic() + 60
+    while backend.batcher.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _idle(backend, pcm)
+    # the row stopped soon after the client left: far fewer than 1500 tokens' blocks were cached
+    assert pcm.cache_stats()["blocks_inserted"] - inserted < 1500 // BS // 2
+    ok = client.completions.create(model=MODEL, prompt="after the disconnect", max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_sampling_requests_run_batched_too(srv):
+    url, client, pcm, backend = srv
+    r = client.completions.create(model=MODEL, prompt="sample", max_tokens=5, temperature=0.8, top_p=0.9)
+    assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason in ("stop", "length")
+    _idle(backend, pcm)
+
+
+def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, bare):
+    model, tok = bare
+    want = bare_greedy(model, list(tok("finish me").input_ids), 300)
+    log = tmp_path / "server.log"
+    with cli_server(["--model", MODEL, "--block-size", str(BS)], log) as (proc, url):
+        body = {
+            "model": MODEL,
+            "prompt": "finish me",
+            "max_tokens": 300,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        chunks = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 2:
+                        proc.send_signal(signal.SIGTERM)  # mid-request
+                elif line == "data: [DONE]":
+                    break
+        # it ran to its own end: all of the bare model's tokens, the same text
+        assert chunks[-1]["usage"]["completion_tokens"] == len(want) > 2
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert text == tok.decode(want, skip_special_tokens=True)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+# ---- the command's own user errors (no server comes up) ------------------------------------------------------
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from prefixcache import cli
+
+    return CliRunner().invoke(cli.app, ["serve", *args])
+
+
+def test_cli_names_the_missing_extra_and_exits_2(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def without_fastapi(name, *a, **k):
+        if name == "fastapi":
+            raise ImportError("No module named 'fastapi'", name="fastapi")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", without_fastapi)
+    r = _cli("--model", MODEL)
+    assert r.exit_code == 2 and "pip install 'prefixcache[serve]'" in r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "no-such-model"], "neither a preset"),
+        (["--replicas", "2", "--router", "random"], "unknown policy 'random'"),
+        (["--address", "ray://x:10001"], "--address joins a Ray cluster"),
+    ],
+)
+def test_cli_user_errors_exit_2(args, message):
+    r = _cli(*args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output

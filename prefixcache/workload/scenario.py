@@ -12,8 +12,9 @@ from typing import Any
 import yaml
 
 from prefixcache.core.errors import InputError
+from prefixcache.workload.files import MiB, input_file, read_text
 from prefixcache.workload.generators import run_generators
-from prefixcache.workload.requests import Message, ScenarioRequest
+from prefixcache.workload.requests import MAX_REQUESTS, MAX_TOKENS, Message, ScenarioRequest, finite_number
 from prefixcache.workload.trace import Trace, is_trace_path, load_trace
 from prefixcache.workload.yaml_lines import LineLoader, YamlContext, pos_int
 
@@ -54,6 +55,7 @@ _SCENARIO_KEYS = {
     "model",
 }
 _REQUEST_KEYS = {"text", "messages", "tokens", "conversation", "namespace", "timestamp", "max_new_tokens", "repeat"}
+MAX_SCENARIO_BYTES = 64 * MiB
 
 
 def parse_capacity(value: Any, where: str = "capacity") -> int | None:
@@ -121,13 +123,19 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
         kw["namespace"] = r["namespace"]
     if "timestamp" in r:
         ts = r["timestamp"]
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-            raise ctx.fail(f"timestamp must be a number, got {ts!r}", ctx.line_of(r, "timestamp"))
+        if not finite_number(ts):
+            raise ctx.fail(f"timestamp must be a finite number, got {ts!r:.60}", ctx.line_of(r, "timestamp"))
         kw["timestamp"] = float(ts)
     if "max_new_tokens" in r:
-        kw["max_new_tokens"] = pos_int(ctx, r["max_new_tokens"], "max_new_tokens", ctx.line_of(r, "max_new_tokens"))
-    repeat = pos_int(ctx, r.get("repeat", 1), "repeat", ctx.line_of(r, "repeat"))
+        line_k = ctx.line_of(r, "max_new_tokens")
+        kw["max_new_tokens"] = pos_int(ctx, r["max_new_tokens"], "max_new_tokens", line_k, maximum=MAX_TOKENS)
+    repeat = pos_int(ctx, r.get("repeat", 1), "repeat", ctx.line_of(r, "repeat"), maximum=MAX_REQUESTS)
     return [ScenarioRequest(**kw)] * repeat
+
+
+def _check_count(ctx: YamlContext, requests: list[ScenarioRequest], line: int | None) -> None:
+    if len(requests) > MAX_REQUESTS:
+        raise ctx.fail(f"the scenario expands to more than {MAX_REQUESTS:,} requests", line)
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -140,13 +148,9 @@ def load_scenario(path: str | Path) -> Scenario:
     if is_trace_path(path):
         trace = load_trace(path)
         return Scenario(name=path.name, path=str(path), trace=trace, block_size=trace.block_size)
-    if not path.is_file():
-        raise InputError("no such scenario file", path)
+    path = input_file(path, "scenario file")
     ctx = YamlContext(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read scenario: {exc}", path) from None
+    text = read_text(path, "scenario file", MAX_SCENARIO_BYTES)
     try:
         doc = yaml.load(text, Loader=LineLoader)
     except InputError as exc:
@@ -155,6 +159,10 @@ def load_scenario(path: str | Path) -> Scenario:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
         raise InputError(f"malformed YAML: {problem}", path, mark.line + 1 if mark else None) from None
+    except RecursionError:
+        raise InputError("malformed YAML: nested too deeply", path) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # a constructor's conversion: a 5000-digit int, a bad date
+        raise InputError(f"malformed YAML: {exc}", path) from None
     ctx.check_keys(doc, _SCENARIO_KEYS, "the scenario", 1)
     sources = [k for k in ("requests", "generate", "trace") if k in doc]
     if not sources:
@@ -173,7 +181,9 @@ def load_scenario(path: str | Path) -> Scenario:
             except ValueError as exc:
                 raise ctx.fail(str(exc), ctx.line_of(doc, "capacity")) from None
             caps.append(cap)
-    max_new = pos_int(ctx, doc.get("max_new_tokens", 16), "max_new_tokens", ctx.line_of(doc, "max_new_tokens"))
+    max_new = pos_int(
+        ctx, doc.get("max_new_tokens", 16), "max_new_tokens", ctx.line_of(doc, "max_new_tokens"), maximum=MAX_TOKENS
+    )
     seed = pos_int(ctx, doc.get("seed", 0), "seed", ctx.line_of(doc, "seed"), minimum=0)
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
@@ -201,6 +211,8 @@ def load_scenario(path: str | Path) -> Scenario:
             raise ctx.fail("requests must be a non-empty list", ctx.line_of(doc, "requests"))
         for i, r in enumerate(reqs):
             requests.extend(_parse_request(ctx, r, i, ctx.line_of(doc, "requests")))
+            _check_count(ctx, requests, ctx.line_of(r) or ctx.line_of(doc, "requests"))
     if "generate" in doc:
         requests.extend(run_generators(doc["generate"], seed, ctx))
+        _check_count(ctx, requests, ctx.line_of(doc, "generate"))
     return Scenario(requests=tuple(requests), block_size=block_size, **common)

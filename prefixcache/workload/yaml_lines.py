@@ -63,7 +63,10 @@ class YamlContext:
         return None if line is None else int(line)
 
 
-def pos_int(ctx: YamlContext, v: Any, what: str, line: int | None, minimum: int = 1) -> int:
+def pos_int(ctx: YamlContext, v: Any, what: str, line: int | None, minimum: int = 1, maximum: int | None = None) -> int:
+    """``v`` if it is an int in [minimum, maximum]; else InputError naming ``what`` and the line."""
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ctx.fail(f"{what} must be an integer >= {minimum}, got {v!r}", line)
+        raise ctx.fail(f"{what} must be an integer >= {minimum}, got {v!r:.60}", line)
+    if maximum is not None and v > maximum:
+        raise ctx.fail(f"{what} must be at most {maximum:,}, got {v:,}"[:200], line)
     return v

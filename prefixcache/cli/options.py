@@ -6,6 +6,7 @@ UsageError (one line, exit 2) for a bad value.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +15,7 @@ import typer
 
 from prefixcache.cli.app import UsageError
 from prefixcache.core import POLICIES
-from prefixcache.reports.output import check_output
+from prefixcache.reports.output import STDOUT, check_output
 from prefixcache.sim.policy import DEFAULT_BLOCK_SIZE, Capacity, ReplayPolicy
 from prefixcache.workload.order import ORDERS, ordered
 from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
@@ -78,12 +79,25 @@ def check_order(order: str) -> None:
 
 
 def check_outputs(json_out: Path | None, html: Path | None, markdown: Path | None) -> None:
-    """Refuse unwritable output paths before any work (InputError names the path)."""
-    for path in (json_out, html):
-        if path is not None:
-            check_output(path)
-    if markdown is not None:
-        check_output(markdown, allow_stdout=False)
+    """Refuse unwritable output paths before any work (InputError names the path), and two options naming
+    the same file or both standard output (UsageError)."""
+    named = {"--json": json_out, "--html": html, "--markdown": markdown}
+    given = {option: path for option, path in named.items() if path is not None}
+    for option, path in given.items():
+        check_output(path, files_beside=option == "--markdown")
+    seen: dict[str, str] = {}
+    for option, path in given.items():
+        key = STDOUT if str(path) == STDOUT else os.path.realpath(path)
+        if key in seen:
+            where = "standard output" if key == STDOUT else str(path)
+            raise UsageError(f"{seen[key]} and {option} both write to {where}; give each its own file")
+        seen[key] = option
+
+
+def stdout_taken(*outputs: Path | None) -> bool:
+    """Whether one of the outputs is standard output; then a command shows its tables on stderr, so that
+    stdout holds that output alone (``--json - | jq``)."""
+    return any(p is not None and str(p) == STDOUT for p in outputs)
 
 
 def load_workload(path: Path, block_size: int | None, order: str) -> Scenario:

@@ -88,6 +88,8 @@ def check_outputs(json_out: Path | None, html: Path | None, markdown: Path | Non
     seen: dict[str, str] = {}
     for option, path in given.items():
         key = STDOUT if str(path) == STDOUT else os.path.realpath(path)
+        if os.path.exists(key) and not os.path.isfile(key):  # a device or a FIFO takes several writes
+            continue
         if key in seen:
             where = "standard output" if key == STDOUT else str(path)
             raise UsageError(f"{seen[key]} and {option} both write to {where}; give each its own file")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixcache.core.errors import InputError
+from prefixcache.core.errors import InputError, shown
 from prefixcache.reports.output import write_output
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.results import ROW_FIELDS, Row, RunResult
@@ -156,7 +156,7 @@ class _Reader:
         v = d[key]
         what, ok = _KINDS[kind]
         if not (ok(v) or (nullable and v is None)):
-            raise self.fail(f"{where}.{key}", f"expected {what}{' or null' if nullable else ''}, got {v!r:.60}")
+            raise self.fail(f"{where}.{key}", f"expected {what}{' or null' if nullable else ''}, got {shown(v)}")
         return v
 
     def rows(self, raw: Any, where: str, version: int) -> tuple[Row, ...]:
@@ -194,9 +194,9 @@ class _Reader:
             what, ok = _KINDS[kind]
             for i, v in enumerate(col):
                 if not (ok(v) or (nullable and v is None)):
-                    shown = "missing" if v is _MISSING else repr(v)[:60]
+                    got = "missing" if v is _MISSING else shown(v)
                     raise self.fail(
-                        f"{where}.{name}[{i}]", f"expected {what}{' or null' if nullable else ''}, got {shown}"
+                        f"{where}.{name}[{i}]", f"expected {what}{' or null' if nullable else ''}, got {got}"
                     )
             columns.append(col)
         rows = tuple(Row(*values) for values in zip(*columns))
@@ -254,7 +254,7 @@ class _Reader:
             raise InputError("not a prefixcache run record (no 'version')", self.path)
         if not _is_count(raw["version"]) or raw["version"] not in READABLE_VERSIONS:
             raise InputError(
-                f"run record version {raw['version']!r} is not supported (this reads versions "
+                f"run record version {shown(raw['version'])} is not supported (this reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))})",
                 self.path,
             )

@@ -11,12 +11,12 @@ from typing import Any
 
 import yaml
 
-from prefixcache.core.errors import InputError
+from prefixcache.core.errors import InputError, shown
 from prefixcache.workload.files import MiB, input_file, read_text
 from prefixcache.workload.generators import run_generators
 from prefixcache.workload.requests import MAX_REQUESTS, MAX_TOKENS, Message, ScenarioRequest, finite_number
 from prefixcache.workload.trace import Trace, is_trace_path, load_trace
-from prefixcache.workload.yaml_lines import LineLoader, YamlContext, pos_int
+from prefixcache.workload.yaml_lines import LineLoader, YamlContext, pos_int, scalar_text
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,12 @@ def parse_capacity(value: Any, where: str = "capacity") -> int | None:
         try:
             number = float(s[:-1] if mult > 1 else s) * mult
         except ValueError:
-            raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}") from None
+            raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {shown(value)}") from None
         if not math.isfinite(number) or number != int(number):
-            raise ValueError(f"{where}: expected a whole number of tokens or 'unlimited', got {value!r}")
+            raise ValueError(f"{where}: expected a whole number of tokens or 'unlimited', got {shown(value)}")
         value = int(number)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}")
+        raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {shown(value)}")
     if value <= 0:
         raise ValueError(f"{where} must be > 0, got {value}")
     return value
@@ -116,7 +116,7 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
     if "conversation" in r:
         if "messages" not in r:
             raise ctx.fail("conversation needs messages (a multi-turn chat)", ctx.line_of(r, "conversation"))
-        kw["conversation"] = str(r["conversation"])
+        kw["conversation"] = scalar_text(ctx, r["conversation"], "conversation", ctx.line_of(r, "conversation"))
     if "namespace" in r:
         if not isinstance(r["namespace"], str) or not r["namespace"]:
             raise ctx.fail("namespace must be a non-empty string", ctx.line_of(r, "namespace"))
@@ -124,7 +124,7 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
     if "timestamp" in r:
         ts = r["timestamp"]
         if not finite_number(ts):
-            raise ctx.fail(f"timestamp must be a finite number, got {ts!r:.60}", ctx.line_of(r, "timestamp"))
+            raise ctx.fail(f"timestamp must be a finite number, got {shown(ts)}", ctx.line_of(r, "timestamp"))
         kw["timestamp"] = float(ts)
     if "max_new_tokens" in r:
         line_k = ctx.line_of(r, "max_new_tokens")
@@ -189,9 +189,9 @@ def load_scenario(path: str | Path) -> Scenario:
     if model is not None and not isinstance(model, str):
         raise ctx.fail("model must be a string (preset name or path)", ctx.line_of(doc, "model"))
     common: dict[str, Any] = dict(
-        name=str(doc.get("name", path.stem)),
+        name=scalar_text(ctx, doc.get("name", path.stem), "name", ctx.line_of(doc, "name")),
         path=str(path),
-        description=str(doc.get("description", "")),
+        description=scalar_text(ctx, doc.get("description", ""), "description", ctx.line_of(doc, "description")),
         capacity=tuple(caps),
         max_new_tokens=max_new,
         seed=seed,

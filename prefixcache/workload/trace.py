@@ -22,7 +22,7 @@ from typing import IO, Any, overload
 import numpy as np
 
 from prefixcache.core import DEFAULT_NAMESPACE
-from prefixcache.core.errors import InputError
+from prefixcache.core.errors import InputError, shown
 from prefixcache.workload.files import MiB, input_file
 from prefixcache.workload.requests import finite_number
 
@@ -158,7 +158,7 @@ def _int_field(d: dict[str, Any], key: str, path: Path, line: int, *, required: 
         return 0
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v < INT64_END:
-        raise InputError(f"{key} must be an integer >= {minimum} (and < 2**63), got {v!r:.60}", path, line)
+        raise InputError(f"{key} must be an integer >= {minimum} (and < 2**63), got {shown(v)}", path, line)
     return v
 
 
@@ -175,7 +175,7 @@ def _hash_id_array(ids: list[Any], raw: str, path: Path, line: int) -> np.ndarra
         bad = next(
             (h for h in ids if isinstance(h, bool) or not isinstance(h, int) or not -INT64_END <= h < INT64_END), ids[0]
         )
-        raise InputError(f"hash_ids must hold 64-bit integers, found {bad!r:.60}", path, line)
+        raise InputError(f"hash_ids must hold 64-bit integers, found {shown(bad)}", path, line)
     assert arr is not None
     return arr
 
@@ -225,14 +225,14 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
                     raise InputError(f"expected a JSON object, got {type(d).__name__}", path, lineno)
                 if not d.keys() <= _TRACE_KEYS:
                     bad = sorted(d.keys() - _TRACE_KEYS)[0]
-                    raise InputError(f"unknown key {bad!r}; known: {', '.join(sorted(_TRACE_KEYS))}", path, lineno)
+                    raise InputError(f"unknown key {shown(bad)}; known: {', '.join(sorted(_TRACE_KEYS))}", path, lineno)
                 ids = d.get("hash_ids")
                 if not isinstance(ids, list) or not ids:
                     raise InputError("hash_ids must be a non-empty list of integers", path, lineno)
                 n_in = _int_field(d, "input_length", path, lineno, required=True, minimum=1)
                 bs = d.get("block_size", block_size or MOONCAKE_BLOCK_SIZE)
                 if isinstance(bs, bool) or not isinstance(bs, int) or not 0 < bs < INT64_END:
-                    raise InputError(f"block_size must be a positive integer, got {bs!r:.60}", path, lineno)
+                    raise InputError(f"block_size must be a positive integer, got {shown(bs)}", path, lineno)
                 if block_size is not None and bs != block_size:
                     raise InputError(f"line says block_size {bs} but {block_size} was asked for", path, lineno)
                 if bs_seen is None:
@@ -248,7 +248,7 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
                     )
                 ts = d.get("timestamp", 0)
                 if not finite_number(ts):
-                    raise InputError(f"timestamp must be a finite number, got {ts!r:.60}", path, lineno)
+                    raise InputError(f"timestamp must be a finite number, got {shown(ts)}", path, lineno)
                 arr = _hash_id_array(ids, raw, path, lineno)
                 session = d.get("session")
                 chunks.append(arr)

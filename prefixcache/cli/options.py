@@ -57,6 +57,9 @@ MarkdownOpt = Annotated[
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
 
 
+MAX_CAPACITY_BLOCKS = 2**63
+
+
 def replay_policy(eviction: str, keep_for: float | None, warmup: float) -> ReplayPolicy:
     """The policy options as a ReplayPolicy; UsageError names the bad option."""
     if eviction not in POLICIES:
@@ -142,4 +145,7 @@ def capacities(
             caps = [Capacity.from_tokens(c, block_size) for c in scenario.capacity] or [Capacity(None)]
         except ValueError as exc:
             raise UsageError(f"{scenario.path}: {exc}") from None
+    too_big = next((c for c in caps if c.blocks is not None and c.blocks >= MAX_CAPACITY_BLOCKS), None)
+    if too_big is not None:  # a run record stores 64-bit counts
+        raise UsageError(f"capacity {too_big.blocks:,} blocks is too large (at most 2**63 - 1); use 'unlimited'")
     return sorted(dict.fromkeys(caps), key=Capacity.sort_key)

@@ -260,6 +260,7 @@ def run_generators(spec: Any, seed: int, ctx: YamlContext) -> list[ScenarioReque
         try:
             out.extend(generate(s["shape"], seed=spec_seed, **params))
         except ValueError as exc:
-            bad = next((key for key in params if repr(key) in str(exc)), None)
+            msg = str(exc)
+            bad = next((key for key in params if repr(key) in msg or msg.startswith(f"{key} ")), None)
             raise ctx.fail(str(exc), ctx.line_of(s, bad) if bad else line) from None
     return out

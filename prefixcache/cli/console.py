@@ -17,8 +17,9 @@ err_console = Console(stderr=True)
 
 
 def error(message: str) -> None:
-    """Print a user-facing error (no traceback) to stderr."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, markup=True)
+    """Print a user-facing error (no traceback) to stderr, on one line."""
+    one_line = " ".join(message.splitlines())
+    err_console.print(f"[bold red]error:[/] {escape(one_line)}", highlight=False, soft_wrap=True, markup=True)
 
 
 def info(message: str) -> None:

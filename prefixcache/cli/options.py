@@ -52,7 +52,8 @@ OrderOpt = Annotated[str, typer.Option("--order", help="Request order: 'file', o
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the results as JSON to this file ('-': stdout).")]
 HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report ('-': stdout).")]
 MarkdownOpt = Annotated[
-    Path | None, typer.Option("--markdown", help="Write a Markdown report (plots as PNG files beside it).")
+    Path | None,
+    typer.Option("--markdown", help="Write a Markdown report to this file, its plots as PNG files beside it."),
 ]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
 

@@ -45,7 +45,9 @@ def replay(
         int | None, typer.Option("--max-requests", help="Replay only the first N requests.")
     ] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 (default), bfloat16, float16.")] = None,
-    device: Annotated[str | None, typer.Option("--device", help="cpu (default), cuda, ...")] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cpu (default), cuda, cuda:1, ... (checked before anything loads).")
+    ] = None,
     json_out: opt.JsonOpt = None,
     html: opt.HtmlOpt = None,
     markdown: opt.MarkdownOpt = None,

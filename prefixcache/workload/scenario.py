@@ -155,9 +155,12 @@ def load_scenario(path: str | Path) -> Scenario:
         doc = yaml.load(text, Loader=LineLoader)
     except InputError as exc:
         raise InputError(exc.message, path, exc.line) from None
+    except yaml.reader.ReaderError as exc:  # a control character; its message spans lines
+        line = text.count("\n", 0, exc.position) + 1
+        raise InputError(f"malformed YAML: character {exc.character!r} is not allowed", path, line) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc)
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise InputError(f"malformed YAML: {problem}", path, mark.line + 1 if mark else None) from None
     except RecursionError:
         raise InputError("malformed YAML: nested too deeply", path) from None

@@ -36,9 +36,9 @@ from prefixcache.workload.trace import load_trace
 DATA = Path(__file__).parent / "data"
 MOONCAKE = (DATA / "mooncake_synthetic_3601_3800.jsonl").read_text().splitlines()[:4]
 KVTESTER = (DATA / "kvtester_sample.jsonl").read_text().splitlines()
-# PREFIXCACHE_FUZZ_EXAMPLES=2000 for a longer hunt; the default keeps the three tests to ~20 s
+# PREFIXCACHE_FUZZ_EXAMPLES=2000 for a longer hunt; the default keeps the three tests to ~20 s here
 FUZZ = settings(
-    max_examples=int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "45")),
+    max_examples=int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "150")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

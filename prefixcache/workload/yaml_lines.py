@@ -9,9 +9,20 @@ import yaml
 
 from prefixcache.core.errors import InputError, shown
 
+MAX_FLOW_DEPTH = 100  # [ and { nested deeper are refused: PyYAML's scanner slows down with the square of it
+
 
 class LineLoader(yaml.SafeLoader):
-    """SafeLoader whose mappings remember their line (``LineMap.line``) and each key's line."""
+    """SafeLoader whose mappings remember their line (``LineMap.line``) and each key's line, and which refuses
+    flow collections nested deeper than MAX_FLOW_DEPTH (a 100 kB line of ``[`` would scan for hours)."""
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        if self.flow_level >= MAX_FLOW_DEPTH:
+            mark = self.get_mark()
+            raise InputError(
+                f"malformed YAML: nested too deeply (over {MAX_FLOW_DEPTH} levels of [ or {{)", None, mark.line + 1
+            )
+        super().fetch_flow_collection_start(TokenClass)
 
 
 class LineMap(dict[Any, Any]):

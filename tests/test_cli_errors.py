@@ -179,6 +179,7 @@ BOMB = (
             "request 1 tokens[2] is 2147483648; token ids must be < 2**31",
         ),
         ("requests: " + "[" * 50_000 + "]" * 50_000 + "\n", None, "malformed YAML: nested too deeply"),
+        ("requests: " + "[" * 200 + "]" * 200 + "\n", 1, "nested too deeply (over 100 levels"),  # quadratic scan
         ("seed: " + "7" * 5000 + "\nrequests: [{text: a}]\n", None, "malformed YAML"),
         ("requests:\n  - text: a\n    repeat: 100000000000000000000\n", 3, "repeat must be at most 10,000,000"),
         ("requests:\n  - text: a\n    max_new_tokens: 1000000000000\n", 3, "max_new_tokens must be at most"),
@@ -438,6 +439,10 @@ def test_ctrl_c_while_the_model_loads(monkeypatch, tmp_path):
         (["simulate", SAMPLE, "--keep-for", "nan", "--eviction", "priority"], "--keep-for"),
         (["simulate", SAMPLE, "--keep-for", "inf", "--eviction", "priority"], "--keep-for"),
         (["plan", SAMPLE, "--dtype", "bf16"], "dtype 'bf16' needs a model"),
+        (
+            ["simulate", SCENARIOS / "chat.yaml", "--block-size", str(2**63)],
+            "--block-size 9,223,372,036,854,775,808 is too large",
+        ),
         (["simulate", "[/bold]odd.yaml"], "[/bold]odd.yaml: no such scenario file"),  # rich markup in a name
     ],
 )

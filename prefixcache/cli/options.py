@@ -58,7 +58,7 @@ MarkdownOpt = Annotated[
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
 
 
-MAX_CAPACITY_BLOCKS = 2**63
+RECORD_INT_LIMIT = 2**63  # a run record stores sizes as 64-bit integers
 
 
 def replay_policy(eviction: str, keep_for: float | None, warmup: float) -> ReplayPolicy:
@@ -75,6 +75,8 @@ def replay_policy(eviction: str, keep_for: float | None, warmup: float) -> Repla
 def check_block_size(block_size: int | None) -> None:
     if block_size is not None and block_size <= 0:
         raise UsageError(f"--block-size must be > 0, got {block_size}")
+    if block_size is not None and block_size >= RECORD_INT_LIMIT:
+        raise UsageError(f"--block-size {block_size:,} is too large (at most 2**63 - 1)")
 
 
 def check_order(order: str) -> None:
@@ -146,7 +148,7 @@ def capacities(
             caps = [Capacity.from_tokens(c, block_size) for c in scenario.capacity] or [Capacity(None)]
         except ValueError as exc:
             raise UsageError(f"{scenario.path}: {exc}") from None
-    too_big = next((c for c in caps if c.blocks is not None and c.blocks >= MAX_CAPACITY_BLOCKS), None)
-    if too_big is not None:  # a run record stores 64-bit counts
+    too_big = next((c for c in caps if c.blocks is not None and c.blocks >= RECORD_INT_LIMIT), None)
+    if too_big is not None:
         raise UsageError(f"capacity {too_big.blocks:,} blocks is too large (at most 2**63 - 1); use 'unlimited'")
     return sorted(dict.fromkeys(caps), key=Capacity.sort_key)

@@ -52,7 +52,7 @@ def timed(fn, repeat: int):
 
 def replay(trace, capacity: int) -> tuple[int, int]:
     """Hit blocks and hit tokens of one replay through the shared loop (prefixcache.sim.replay)."""
-    t = run_replay(from_trace(trace), Capacity(capacity)).totals()
+    t = run_replay(from_trace(trace), Capacity(capacity), causes=False).totals()  # as the curve: hits only
     return t["hit_blocks"], t["cached_tokens"]
 
 

@@ -13,6 +13,12 @@ process and one run, alternating (medians of --repeat):
 The reference's hit counts must equal ours (an independent check of the replay). Optionally (--kvtester
 FILE, not shipped) the kv-cache-tester trace at one capacity, loading included.
 
+Miss causes (``prefixcache.sim.causes``) cost: the same three replays through ``prefixcache.sim.replay.simulate``
+with and without them (``causes=False``), alternating, each on a freshly rendered workload (so the workload's
+part of the analysis is included every time), in CPU seconds of this process (robust to other processes on a
+shared machine), medians of --repeat; also two token scenarios (5x the repeats). The causes must not make
+simulate more than 1.3x slower on the Mooncake traces.
+
     python benchmarks/bench_simulate.py [--repeat 3] [--json FILE] [--kvtester FILE --kvtester-blocks N]
 """
 
@@ -34,12 +40,39 @@ from rich.table import Table
 from prefixcache.cli import app
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.replay import simulate
-from prefixcache.sim.requests import from_trace
+from prefixcache.sim.requests import from_scenario, from_trace
+from prefixcache.workload.scenario import load_scenario
 from prefixcache.workload.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "scenarios" / "traces"
 MOONCAKE = ("mooncake_conversation_trace.jsonl.gz", "mooncake_synthetic_trace.jsonl.gz")
 CAPACITIES = (1_000, 10_000, None)
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
+TOKEN_SCENARIOS = ("chat.yaml", "rag.yaml")  # token mode, at 64 and 1,024 blocks and unlimited
+
+
+def cpu_timed(fn):
+    """CPU seconds of this process running ``fn`` (other processes' load on a shared machine barely moves it)."""
+    gc.collect()
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
+def causes_cost(reqs_of, caps, repeat: int) -> dict:
+    """CPU seconds of ``simulate`` without and with miss causes, alternating, fresh requests each time: medians
+    of each, and the median of the pairs' ratios (each pair ran back to back)."""
+    without, with_ = [], []
+    for _ in range(repeat):
+        without.append(cpu_timed(lambda: simulate(reqs_of(), caps, causes=False)))
+        with_.append(cpu_timed(lambda: simulate(reqs_of(), caps)))
+    return {
+        "without_s": statistics.median(without),
+        "with_s": statistics.median(with_),
+        "ratio": statistics.median(b / a for a, b in zip(without, with_)),
+        "without_runs_s": without,
+        "with_runs_s": with_,
+    }
 
 
 def reference_replay(path: Path, capacities: tuple[int | None, ...]) -> tuple[list[int], list[int]]:
@@ -158,6 +191,18 @@ def main() -> None:
             "token_hit_rate": tot["token_hit_rate"],
             "block_hit_rate": tot["block_hit_rate"],
         }
+    causes_rows = []
+    caps = [Capacity(c) for c in CAPACITIES]
+    for name in MOONCAKE:
+        trace = load_trace(TRACES / name)
+        cost = causes_cost(lambda trace=trace: from_trace(trace), caps, args.repeat)
+        causes_rows.append({"workload": name.split(".")[0], "requests": len(trace), **cost})
+    for name in TOKEN_SCENARIOS:
+        sc = load_scenario(SCENARIOS / name)
+        bs = sc.block_size or 16
+        sc_caps = [Capacity(64), Capacity(1024), Capacity(None)]
+        cost = causes_cost(lambda sc=sc, bs=bs: from_scenario(sc, bs), sc_caps, 5 * args.repeat)
+        causes_rows.append({"workload": name, "requests": len(sc), **cost})
     table = Table(title=f"prefixcache simulate vs a stdlib trie-LRU replay (3 capacities, median of {args.repeat})")
     for col in ("trace", "block hit rate (1k / 10k / unl.)", "simulate s", "reference s", "simulate / reference"):
         table.add_column(col, justify="left" if col == "trace" else "right")
@@ -171,13 +216,21 @@ def main() -> None:
         )
     console = Console(width=140)
     console.print(table)
+    ctab = Table(title=f"simulate with / without miss causes (3 capacities, CPU seconds, median of {args.repeat})")
+    for col in ("workload", "requests", "without causes s", "with causes s", "with / without (median pair)"):
+        ctab.add_column(col, justify="left" if col == "workload" else "right")
+    for r in causes_rows:
+        ctab.add_row(
+            r["workload"], f"{r['requests']:,}", f"{r['without_s']:.3f}", f"{r['with_s']:.3f}", f"{r['ratio']:.2f}x"
+        )
+    console.print(ctab)
     if kv:
         console.print(
             f"kv-cache-tester at {kv['blocks']:,} blocks: load {kv['load_s']:.1f} s, replay "
             f"{kv['replay_s']:.1f} s, token hit rate {kv['token_hit_rate']:.4f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "kvtester": kv}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"rows": rows, "kvtester": kv, "causes": causes_rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """engine: the model side of prefixcache (torch + transformers)."""
 
-from engine.wrapper import PrefixCachedModel, RowStats, UncachedCallWarning, UnsupportedModelError
+from engine.wrapper import Explanation, PrefixCachedModel, RowStats, UncachedCallWarning, UnsupportedModelError
 
-__all__ = ["PrefixCachedModel", "RowStats", "UncachedCallWarning", "UnsupportedModelError"]
+__all__ = ["Explanation", "PrefixCachedModel", "RowStats", "UncachedCallWarning", "UnsupportedModelError"]

@@ -25,6 +25,9 @@ import torch
 
 from engine.models import PRESETS, load_model
 from engine.wrapper import PrefixCachedModel
+from prefixcache.reports.record import TOP_SITES
+from prefixcache.sim.causes import Fork
+from prefixcache.sim.diagnosis import DivergenceSite, divergence_sites
 from prefixcache.sim.policy import Capacity, measured_from
 from prefixcache.sim.requests import from_scenario
 from prefixcache.sim.results import Row, RunResult
@@ -117,9 +120,12 @@ def replay(
     loaded: tuple[Any, Any] | None = None,
     on_start: Callable[[Capacity, int], None] | None = None,
     on_row: Callable[[Row, Any], None] | None = None,
+    sites: list[DivergenceSite] | None = None,
 ) -> tuple[list[RunResult], dict]:
     """Replay ``scenario`` once per capacity through ``model`` (preset or local path; or ``loaded`` =
-    (model, tokenizer)). Returns the per-capacity results and facts about the model for the run record.
+    (model, tokenizer)). Returns the per-capacity results and facts about the model for the run record; rows
+    carry their miss causes (from the wrapper's ``last_request_stats``). ``sites``, when given, receives the
+    run's top divergence points (they do not depend on the capacity; read from the first one).
 
     A KeyboardInterrupt stops the replay; what ran comes back with ``partial=True`` (pins are always released).
     """
@@ -147,11 +153,12 @@ def replay(
         "parameters": sum(p.numel() for p in hf_model.parameters()),
     }
     results: list[RunResult] = []
+    forks: dict[int, Fork] = {}
     unl: int | None = None
     for cap in capacities:
         if unl is None:
             unl = _estimate_unlimited(scenario, renderer, block_size)
-        # a capacity larger than the workload can fill is served with the never-evicting pool (as sim.replay does)
+        # the KV pool is allocated up front: a capacity above what the workload can fill gets the never-evicting size
         nb = unl if cap.blocks is None else min(cap.blocks, unl)
         if on_start is not None:
             on_start(cap, len(scenario))
@@ -171,11 +178,14 @@ def replay(
             vocab,
             cap,
             on_row,
+            forks if not results else None,
         )
         results.append(res)
         del pcm
         if res.partial:
             break
+    if sites is not None and results:
+        sites += divergence_sites(results[0].rows, forks, lambda ids: tokenizer.decode(list(ids)), TOP_SITES)
     return results, info
 
 
@@ -194,6 +204,7 @@ def _replay_one(
     vocab: int,
     capacity: Capacity,
     on_row: Callable[[Row, Any], None] | None,
+    forks: dict[int, Fork] | None,
 ) -> RunResult:
     conv = Conversations()
     n_warm = measured_from(len(scenario.requests), warmup)
@@ -238,7 +249,18 @@ def _replay_one(
                 base[1] if base else None,
                 base[2] if base else None,
                 (base[0] == out) if base else None,
+                rs.cold_tokens,
+                rs.evicted_tokens,
+                rs.diverged_tokens,
+                rs.partial_block_tokens,
+                rs.namespace_tokens,
+                rs.not_cached_tokens,
+                None,  # no reuse distances: the wrapper learns its requests as they come
+                rs.shared_tokens,
+                rs.shared_with,
             )
+            if forks is not None and rs.divergence is not None:
+                forks[i] = rs.divergence
             rows.append(row)
             if on_row is not None:
                 on_row(row, pcm.cache)

@@ -29,19 +29,53 @@ import xxhash
 from engine import hf_cache
 from engine.kv_pool import KVPool, bytes_per_token
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.core.hashing import as_token_array
+from prefixcache.sim.causes import Fork, LiveCauses, LiveRequest
+from prefixcache.sim.results import CAUSE_FIELDS
 
 DEFAULT_MAX_CACHED_TOKENS = 32_768
+HISTORY_FACTOR = 4  # the miss-cause history remembers this many pools' worth of committed tokens
 _ALLOWED_MODES = ("greedy_search", "sample")
 _BATCH_SHAPED_KWARGS = ("position_ids", "token_type_ids", "cache_position", "decoder_input_ids")
 
 
 @dataclass(frozen=True)
 class RowStats:
-    """One batch row of the last ``generate`` call: prompt length, tokens served from cache, blocks added."""
+    """One batch row of the last ``generate`` call: prompt length, tokens served from cache, blocks added, and
+    why the other prompt tokens missed (``prefixcache.sim.causes``; they sum to prompt - cached): the wrapper
+    remembers what it committed, up to ``HISTORY_FACTOR`` times its pool in tokens (older content counts as
+    cold); ``shared_tokens``/``shared_with``: the longest prefix it shares with an earlier row (numbered from
+    0 since construction or ``reset_cache``) and which row that was."""
 
     prompt_tokens: int
     cached_tokens: int
     inserted_blocks: int
+    cold_tokens: int | None = None
+    evicted_tokens: int | None = None
+    diverged_tokens: int | None = None
+    partial_block_tokens: int | None = None
+    namespace_tokens: int | None = None
+    not_cached_tokens: int | None = None
+    shared_tokens: int | None = None
+    shared_with: int | None = None
+    divergence: Fork | None = None  # with diverged tokens: the tokens each side of where it departs
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What ``explain`` found for one prompt (nothing changed): ``cached_tokens`` a ``generate`` would serve now;
+    ``common_tokens`` the longest common prefix with anything cached (may end inside a block); the prompt's
+    next tokens there and the nearest cached path's (``prompt_next`` / ``cached_next``, as ``*_text`` when the
+    wrapper has a tokenizer); ``causes``: why its other tokens would miss now (cause -> tokens)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    common_tokens: int
+    prompt_next: tuple[int, ...]
+    cached_next: tuple[int, ...]
+    prompt_text: str | None
+    cached_text: str | None
+    causes: dict[str, int]
 
 
 class UncachedCallWarning(UserWarning):
@@ -97,6 +131,7 @@ class PrefixCachedModel:
         if self.unsupported_reason is not None:  # passthrough: a 1-block core keeps the API usable
             self.pool = None
             self.cache = PrefixCache(CacheConfig(num_blocks=1, block_size=block_size, eviction=eviction))
+            self._causes = LiveCauses(block_size, HISTORY_FACTOR * block_size)
             return
         specs = hf_cache.probe_specs(model)
         per_block = bytes_per_token(specs, model.dtype) * block_size
@@ -120,6 +155,7 @@ class PrefixCachedModel:
         )
         self.pool = KVPool(specs, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self._specs = specs
+        self._causes = LiveCauses(block_size, HISTORY_FACTOR * num_blocks * block_size)
 
     # ---- construction helpers ------------------------------------------------------------------------
     @classmethod
@@ -182,6 +218,7 @@ class PrefixCachedModel:
             return
         self.pool = KVPool(self._specs, pool.num_blocks, pool.block_size, dtype=model.dtype, device=model.device)
         self.cache.reset(keep_stats=True)
+        self._causes.reset()
         self.fingerprint = _fingerprint(model)
 
     def __repr__(self) -> str:
@@ -195,6 +232,7 @@ class PrefixCachedModel:
         """Drop every cached block and zero the counters (the pool memory stays allocated)."""
         with self._lock:
             self.cache.reset()
+            self._causes.reset()
             self.uncached_calls = 0
             self.last_request_stats = ()
 
@@ -220,6 +258,34 @@ class PrefixCachedModel:
             tokens = tokens.detach().cpu()
         with self._lock:
             return self.cache.probe(tokens, f"{self.fingerprint}:{namespace}")
+
+    def explain(self, input_ids: Any, namespace: str = "default", *, context: int = 16) -> Explanation:
+        """Why ``input_ids`` (one prompt: 1-D ids, or a batch of one) would miss in ``namespace`` now: the
+        longest cached prefix, where it departs from the nearest cached path and what differs there (up to
+        ``context`` tokens each side), and its uncached tokens by cause. Changes nothing."""
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.detach().cpu()
+            if input_ids.ndim == 2 and input_ids.shape[0] == 1:
+                input_ids = input_ids[0]
+        ids = as_token_array(input_ids, "input_ids")
+        if len(ids) == 0:
+            raise ValueError("input_ids is empty: explain needs a prompt of at least one token")
+        ns = f"{self.fingerprint}:{namespace}"
+        with self._lock:
+            d = self.cache.divergence(ids, ns, context=context)
+            why = self._causes.request(ids, ns, d.cached_tokens, count=False).causes
+        prompt_next = tuple(ids[d.common_tokens : d.common_tokens + context].tolist())
+        decode = getattr(self.__dict__.get("tokenizer"), "decode", None)
+        return Explanation(
+            len(ids),
+            d.cached_tokens,
+            d.common_tokens,
+            prompt_next,
+            d.cached_next,
+            None if decode is None else decode(list(prompt_next)),
+            None if decode is None else decode(list(d.cached_next)),
+            {c: getattr(why, c) for c in CAUSE_FIELDS},
+        )
 
     # ---- generate ------------------------------------------------------------------------------------
     def generate(
@@ -367,10 +433,12 @@ class PrefixCachedModel:
         handles = []
         alive = True
         try:
-            matches = []
+            matches, live = [], []
             for row in rows:
-                matches.append(self.cache.match(row.detach().cpu(), namespace))
+                ids = as_token_array(row.detach().cpu())
+                matches.append(self.cache.match(ids, namespace))
                 handles.append(matches[-1].handle)
+                live.append(self._causes.request(ids, namespace, matches[-1].cached_tokens))
             ready = matches[0].cached_tokens if batch == 1 else width - 1
             bufs = self.pool.buffers(batch * copies, width + self._new_tokens_bound(gc, kwargs, width))
             for r, m in enumerate(matches):
@@ -385,14 +453,16 @@ class PrefixCachedModel:
             if not isinstance(out, torch.Tensor) and any(v is cache for v in out.values()):
                 self.pool.surrender_buffers()  # the caller now holds the cache, which lives in them
             try:
-                inserted = self._commit_outputs(out, cache, matches, pads, width, gc)
+                inserted = self._commit_outputs(out, cache, matches, pads, width, gc, live)
             except BaseException:
                 # blocks may be in the tree without their KV: drop everything rather than ever serve them
                 alive = False
                 self.cache.reset(keep_stats=True)
+                self._causes.reset()
                 raise
             self.last_request_stats = tuple(
-                RowStats(len(row), m.cached_tokens, n) for row, m, n in zip(rows, matches, inserted)
+                RowStats(len(row), m.cached_tokens, n, *lr.causes[:6], *lr.causes[7:], lr.fork)
+                for row, m, n, lr in zip(rows, matches, inserted, live)
             )
             return out
         finally:
@@ -432,9 +502,12 @@ class PrefixCachedModel:
             )
         hf_cache.settle(row_cache, row_bufs, cached + todo)
 
-    def _commit_outputs(self, out, cache, matches, pads: list[int], width: int, gc) -> list[int]:
+    def _commit_outputs(
+        self, out, cache, matches, pads: list[int], width: int, gc, live: list[LiveRequest] | None = None
+    ) -> list[int]:
         """Commit every output row's full blocks (prompt + generated up to its first EOS) and scatter their
-        K/V; returns the blocks inserted per input row."""
+        K/V; returns the blocks inserted per input row. ``live``: each input row's miss-cause record, told what
+        was committed."""
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
         per_input = seqs.shape[0] // len(matches)  # num_return_sequences rows follow their input row
@@ -447,7 +520,10 @@ class PrefixCachedModel:
                 hit = torch.isin(seqs[i, width:kv_len], eos).nonzero()
                 if len(hit):
                     stop = width + int(hit[0]) + 1
-            res = self.cache.commit(matches[r].handle, seqs[i, pads[r] : stop].detach().cpu())
+            committed = as_token_array(seqs[i, pads[r] : stop].detach().cpu())
+            res = self.cache.commit(matches[r].handle, committed)
+            if live is not None:
+                self._causes.committed(live[r], committed, res)
             if res.block_ids:
                 start = pads[r] + res.first_block * self.block_size
                 end = start + len(res.block_ids) * self.block_size

@@ -11,9 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache import cli
-from prefixcache.cli.console import RunProgress
 from prefixcache.sim.policy import Capacity
-from prefixcache.sim.replay import replay
+from prefixcache.sim.replay import Replayer, replay
 from prefixcache.sim.requests import from_trace
 from prefixcache.workload.trace import load_trace
 
@@ -124,14 +123,14 @@ def test_replay_refuses_a_trace():
 
 def test_ctrl_c_writes_partial_record(tmp_path, monkeypatch):
     out = tmp_path / "run.json"
-    real_row = RunProgress.row
+    real_serve = Replayer.serve
 
-    def row(self, r, cache=None):
-        real_row(self, r, cache)
-        if r.index == 29:
+    def serve(self, i, warmup=False):
+        if i == 30:  # Ctrl-C while request 30 is served: 30 rows are done
             raise KeyboardInterrupt
+        return real_serve(self, i, warmup)
 
-    monkeypatch.setattr(RunProgress, "row", row)
+    monkeypatch.setattr(Replayer, "serve", serve)
     r = run("simulate", SAMPLE, "--capacity-blocks", "100", "--capacity-blocks", "200", "--json", out)
     assert r.exit_code == 130
     rec = json.loads(out.read_text())
@@ -148,9 +147,9 @@ def test_report_renders_and_rejects_bad_records(tmp_path):
     assert r.exit_code == 0, r.output
     assert "token hit rate" in r.output
     html = (tmp_path / "r.html").read_text()
-    assert html.count("data:image/png;base64,") == 3 and "src='http" not in html
+    assert html.count("data:image/png;base64,") == 4 and "src='http" not in html
     md = (tmp_path / "md" / "r.md").read_text()
-    for stem in ("hit_rate", "tokens_saved", "capacity"):
+    for stem in ("causes", "hit_rate", "tokens_saved", "capacity"):
         assert (tmp_path / "md" / f"r_{stem}.png").read_bytes()[:4] == b"\x89PNG"
         assert f"(r_{stem}.png)" in md
     bad = tmp_path / "bad.json"

@@ -258,3 +258,108 @@ def test_import_does_not_pull_torch_or_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- argument types (issue 10) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("num_tokens", [-100, 0, 1.5, "300", True, [3], np.float64(3)])
+def test_match_keys_refuses_a_bad_num_tokens_and_changes_nothing(num_tokens):
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=4))
+    with pytest.raises(ValueError, match="num_tokens must be an int"):
+        cache.match_keys([1, 2], num_tokens=num_tokens)
+    assert cache.stats.prompt_tokens == 0 and cache.stats.lookups == 0 and cache.num_active_requests == 0
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"verify_tokens": "no"}, "verify_tokens must be a bool, got str"),
+        ({"verify_tokens": 0}, "verify_tokens must be a bool, got int"),
+        ({"eviction": 3}, "eviction must be a str, got int"),
+        ({"eviction": None}, "eviction must be a str, got NoneType"),
+        ({"hash_seed": "7"}, "hash_seed must be an int, got str"),
+        ({"hash_seed": 1.0}, "hash_seed must be an int, got float"),
+        ({"hash_seed": True}, "hash_seed must be an int, got bool"),
+        ({"block_size": np.bool_(True)}, "block_size must be an int, got bool"),
+    ],
+)
+def test_every_config_field_is_type_checked(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        CacheConfig(**{"num_blocks": 8, **kwargs})
+
+
+def test_a_pool_past_int64_block_ids_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"num_blocks must be < 2\*\*63"):
+        CacheConfig(num_blocks=2**63)
+
+
+def test_numpy_integers_are_ints_everywhere(serve):
+    cfg = CacheConfig(num_blocks=np.int64(64), block_size=np.int32(2), hash_seed=np.uint64(7))
+    assert (cfg.num_blocks, cfg.block_size, cfg.hash_seed) == (64, 2, 7)
+    assert all(type(v) is int for v in (cfg.num_blocks, cfg.block_size, cfg.hash_seed))
+    assert cfg == CacheConfig(num_blocks=64, block_size=2, hash_seed=7)
+    clock = [0.0]
+    cache = PrefixCache(CacheConfig(num_blocks=np.int16(8), block_size=2, eviction="priority"), clock=lambda: clock[0])
+    m = cache.match([1, 2, 3, 4, 5])
+    r = cache.commit(m.handle, keep_for=np.float32(10), keep_tokens=np.int64(2))
+    assert r.cached_blocks == 2
+    cache.release(m.handle)
+    k = cache.match_keys([7, 8, 9], max_blocks=np.int8(1), num_tokens=np.int64(10))
+    assert k.cached_tokens == 0
+    cache.commit_keys(k.handle, keep_for=np.int64(5), keep_blocks=np.uint8(1))
+    cache.release(k.handle)
+    k = cache.match_keys([7, 8, 9], max_blocks=np.int64(1), num_tokens=np.int32(10))
+    assert k.cached_tokens == 2 and cache.stats.prompt_tokens == 10 + 10 + 5
+    cache.release(k.handle)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "given"),
+    [
+        (None, "NoneType"),
+        ({1, 2, 3}, "set"),
+        (frozenset({1, 2}), "frozenset"),
+        ({1: 2, 3: 4}, "dict"),
+        (iter([1, 2, 3]), "list_iterator"),
+        ((t for t in [1, 2, 3]), "generator"),
+        (map(int, "123"), "map"),
+        (5, "int"),
+        (np.int64(5), "int64"),
+        (b"\x01\x02", "bytes"),
+    ],
+)
+def test_tokens_of_the_wrong_kind_name_what_was_given(serve, tokens, given):
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=2))
+    serve(cache, [1, 2, 3])
+    m = cache.match([1, 2, 3])
+    before = (cache.num_cached_blocks, cache.stats.as_dict())
+    calls = [cache.match, cache.probe, cache.divergence]
+    if tokens is not None:  # commit(handle, None) is the default commit: the prompt given to match
+        calls.append(lambda t: cache.commit(m.handle, t))
+    for call in calls:
+        with pytest.raises(TypeError, match=f"1-D sequence of integer token ids, got {given}\\b") as e:
+            call(tokens)
+        assert "shape" not in str(e.value)
+    assert (cache.num_cached_blocks, cache.stats.as_dict()) == before
+    cache.release(m.handle)
+    cache.check_integrity()
+
+
+def test_commit_checks_the_ids_it_is_given():
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=2))
+    seq = np.asarray([1, 2, 3, 4, 5, -6, 7], dtype=np.int32)
+    m = cache.match(seq[:4])
+    with pytest.raises(ValueError, match=r"tokens\[5\] is -6"):
+        cache.commit(m.handle, seq)
+    other = seq.copy()
+    other[1] = -2  # the same ids elsewhere in memory: checked again
+    with pytest.raises(ValueError, match=r"tokens\[1\] is -2"):
+        cache.commit(m.handle, other)
+    with pytest.raises(ValueError, match=r"tokens\[0\] is -1"):
+        cache.commit(m.handle, np.asarray([-1, 2, 3, 4, 5], dtype=np.int32)[0:])
+    seq[5] = 6
+    r = cache.commit(m.handle, seq)
+    assert r.cached_blocks == 3 and cache.num_active_requests == 1
+    cache.release(m.handle)
+    cache.check_integrity()

@@ -1,12 +1,15 @@
-"""Random match / commit / release against a brute-force block-level LRU model written independently.
+"""Random match / commit / release / reset against a brute-force block-level LRU model written independently.
 
-The reference keeps one record per cached block, keyed by the whole token prefix up to and including the
-block: (last access tick, pin count, pool block id). Every match and every commit is one tick. A match
-touches and pins the leading cached blocks of the prompt (at most (n-1)//bs); a commit touches the leading
-cached blocks of the committed sequence, moves the request's pins onto them, then evicts the least recently
-used unpinned block without a cached child (ties: deeper first) until the new blocks fit or nothing is
-evictable, and caches what fits. Every hit, every commit result and the exact set of cached pool block ids
-are compared after every step, and check_integrity() runs after every step.
+The reference keeps one record per cached block, keyed by its namespace and the whole token prefix up to and
+including the block: (last access tick, pin count, pool block id). Every match and every commit is one tick.
+A match touches and pins the leading cached blocks of the prompt (at most (n-1)//bs); a commit touches the
+leading cached blocks of the committed sequence, moves the request's pins onto them, then evicts the least
+recently used unpinned block without a cached child (ties: deeper first; namespaces share the pool) until
+the new blocks fit or nothing is evictable, and caches what fits. Every hit, every commit result, every
+``divergence`` and the exact set of cached pool block ids are compared after every step; a listener mirrors
+the cache from its events and must hold exactly the reference's blocks under their ``block_keys``; only
+namespaces holding blocks have a root; check_integrity() runs after every step. Small pools make allocations
+span several freed runs; block size 1 makes every token a block.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.core import BlocksRemoved, BlocksStored, CacheCleared, block_keys
 
+NAMESPACES = ["default", "t1", "t2"]
 BASES = [(), (0, 0, 0, 0), (0, 1, 2, 0, 1, 2, 0, 1), (1, 1, 1, 1, 2, 2, 2, 2), (2,)]
 
 
@@ -34,29 +39,29 @@ class Reference:
 
     def __init__(self, num_blocks: int, bs: int) -> None:
         self.num_blocks, self.bs = num_blocks, bs
-        self.blocks: dict[tuple, Block] = {}
-        self.pinned: dict[int, list[tuple]] = {}  # request -> prefixes it pins
+        self.blocks: dict[tuple, Block] = {}  # (namespace, *prefix) -> its record
+        self.pinned: dict[int, list[tuple]] = {}  # request -> blocks it pins
         self.tick = 0
         self.evicted = 0
         self.inserted = 0
 
-    def prefixes(self, tokens: tuple, nblocks: int) -> list[tuple]:
-        return [tokens[: (i + 1) * self.bs] for i in range(nblocks)]
+    def prefixes(self, ns: str, tokens: tuple, nblocks: int) -> list[tuple]:
+        return [(ns, *tokens[: (i + 1) * self.bs]) for i in range(nblocks)]
 
-    def cached_run(self, tokens: tuple, nblocks: int) -> list[tuple]:
+    def cached_run(self, ns: str, tokens: tuple, nblocks: int) -> list[tuple]:
         run = []
-        for p in self.prefixes(tokens, nblocks):
+        for p in self.prefixes(ns, tokens, nblocks):
             if p not in self.blocks:
                 break
             run.append(p)
         return run
 
-    def served(self, tokens: tuple) -> list[tuple]:
-        return self.cached_run(tokens, (len(tokens) - 1) // self.bs)
+    def served(self, ns: str, tokens: tuple) -> list[tuple]:
+        return self.cached_run(ns, tokens, (len(tokens) - 1) // self.bs)
 
-    def match(self, rid: int, tokens: tuple) -> list[tuple]:
+    def match(self, rid: int, ns: str, tokens: tuple) -> list[tuple]:
         self.tick += 1
-        run = self.served(tokens)
+        run = self.served(ns, tokens)
         for p in run:
             self.blocks[p].time = self.tick
             self.blocks[p].pins += 1
@@ -66,11 +71,11 @@ class Reference:
     def has_child(self, p: tuple) -> bool:
         return any(len(q) == len(p) + self.bs and q[: len(p)] == p for q in self.blocks)
 
-    def commit(self, rid: int, tokens: tuple) -> tuple[list[tuple], list[tuple], int]:
-        """Returns (cached run before, newly cached prefixes, blocks not cached)."""
+    def commit(self, rid: int, ns: str, tokens: tuple) -> tuple[list[tuple], list[tuple], int]:
+        """Returns (cached run before, newly cached blocks, blocks not cached)."""
         self.tick += 1
         nb = len(tokens) // self.bs
-        run = self.cached_run(tokens, nb)
+        run = self.cached_run(ns, tokens, nb)
         for p in run:
             self.blocks[p].time = self.tick
             self.blocks[p].pins += 1
@@ -87,7 +92,7 @@ class Reference:
             self.evicted += 1
             free += 1
         fit = min(want, free)
-        new = self.prefixes(tokens, nb)[len(run) : len(run) + fit]
+        new = self.prefixes(ns, tokens, nb)[len(run) : len(run) + fit]
         for p in new:
             self.blocks[p] = Block(self.tick, 1)
         self.inserted += fit
@@ -97,6 +102,41 @@ class Reference:
     def release(self, rid: int) -> None:
         for p in self.pinned.pop(rid):
             self.blocks[p].pins -= 1
+
+    def reset(self, keep_stats: bool) -> None:
+        self.blocks.clear()
+        self.pinned.clear()
+        if not keep_stats:
+            self.evicted = self.inserted = 0
+
+    def common(self, ns: str, tokens: tuple) -> int:
+        """Longest common prefix, in tokens, of ``tokens`` with any cached path of ``ns``."""
+        best = 0
+        for p in self.blocks:
+            if p[0] == ns:
+                q = p[1:]
+                n = 0
+                while n < min(len(q), len(tokens)) and q[n] == tokens[n]:
+                    n += 1
+                best = max(best, n)
+        return best
+
+
+class Mirror:
+    """The cache as a listener sees it: (namespace, mode, key) of every block, from events alone."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple] = set()
+
+    def __call__(self, event: object) -> None:
+        if isinstance(event, BlocksStored):
+            assert event.parent is None or (event.namespace, event.mode, event.parent) in self.keys
+            self.keys.update((event.namespace, event.mode, k) for k in event.keys)
+        elif isinstance(event, BlocksRemoved):
+            self.keys.difference_update((event.namespace, event.mode, k) for k in event.keys)
+        else:
+            assert isinstance(event, CacheCleared)
+            self.keys.clear()
 
 
 def machine(block_size: int, num_blocks: int, mode: str = "tokens", verify: bool = True, max_prompt: int = 14):
@@ -116,18 +156,20 @@ def machine(block_size: int, num_blocks: int, mode: str = "tokens", verify: bool
             super().__init__()
             cfg = CacheConfig(num_blocks=num_blocks, block_size=bs, verify_tokens=verify)
             self.cache = PrefixCache(cfg)
+            self.mirror = Mirror()
+            self.cache.subscribe(self.mirror)
             self.ref = Reference(num_blocks, bs)
             self.live: list[tuple[object, tuple]] = []  # (handle, prompt)
 
         @precondition(lambda self: len(self.live) < 4)
-        @rule(prompt=prompts)
-        def match(self, prompt):
+        @rule(prompt=prompts, ns=st.sampled_from(NAMESPACES))
+        def match(self, prompt, ns):
             if mode == "tokens":
-                m = self.cache.match(list(prompt))
+                m = self.cache.match(list(prompt), ns)
             else:
                 n = len(prompt)
-                m = self.cache.match_keys(keys_of(prompt, True), max_blocks=(n - 1) // bs, num_tokens=n)
-            run = self.ref.match(m.handle.id, prompt)
+                m = self.cache.match_keys(keys_of(prompt, True), ns, max_blocks=(n - 1) // bs, num_tokens=n)
+            run = self.ref.match(m.handle.id, ns, prompt)
             assert m.cached_tokens == len(run) * bs
             assert m.block_ids == tuple(self.ref.blocks[p].block_id for p in run)
             event(f"match: {'hit' if run else 'miss'}")
@@ -144,7 +186,7 @@ def machine(block_size: int, num_blocks: int, mode: str = "tokens", verify: bool
             else:
                 r = self.cache.commit_keys(handle, None if default else keys_of(seq, False))
             evicted = self.ref.evicted
-            run, new, not_cached = self.ref.commit(handle.id, seq)
+            run, new, not_cached = self.ref.commit(handle.id, handle.namespace, seq)
             assert (r.first_block, len(r.block_ids), r.not_cached) == (len(run), len(new), not_cached)
             assert r.cached_blocks == len(run) + len(new)
             for p, b in zip(new, r.block_ids):
@@ -159,11 +201,29 @@ def machine(block_size: int, num_blocks: int, mode: str = "tokens", verify: bool
             self.cache.release(handle)
             self.ref.release(handle.id)
 
+        @rule(keep_stats=st.booleans(), when=st.integers(0, 9))
+        def reset(self, keep_stats, when):
+            if when:  # rarely: most runs should build up a full pool
+                return
+            self.cache.reset(keep_stats=keep_stats)
+            self.ref.reset(keep_stats)
+            self.live.clear()
+            event("reset")
+
         if mode == "tokens":
 
-            @rule(prompt=prompts)
-            def probe(self, prompt):
-                assert self.cache.probe(list(prompt)) == len(self.ref.served(prompt)) * bs
+            @rule(prompt=prompts, ns=st.sampled_from(NAMESPACES))
+            def probe(self, prompt, ns):
+                assert self.cache.probe(list(prompt), ns) == len(self.ref.served(ns, prompt)) * bs
+
+            @rule(prompt=prompts, ns=st.sampled_from(NAMESPACES), context=st.integers(0, 5))
+            def divergence(self, prompt, ns, context):
+                d = self.cache.divergence(list(prompt), ns, context=context)
+                assert d.cached_tokens == len(self.ref.served(ns, prompt)) * bs
+                assert d.common_tokens == self.ref.common(ns, prompt)
+                ext = (ns, *prompt[: d.common_tokens], *d.cached_next)
+                assert len(d.cached_next) <= context
+                assert not d.cached_next or any(p[: len(ext)] == ext for p in self.ref.blocks)
 
         @invariant()
         def agrees(self):
@@ -175,6 +235,15 @@ def machine(block_size: int, num_blocks: int, mode: str = "tokens", verify: bool
             assert self.cache.num_active_requests == len(self.live)
             s = self.cache.stats
             assert (s.blocks_evicted, s.blocks_inserted) == (ref.evicted, ref.inserted)
+            assert set(self.cache.tree.roots) == {(mode, p[0]) for p in ref.blocks}  # empty namespaces cost nothing
+
+        @invariant()
+        def mirrored(self):
+            if mode == "tokens":
+                expected = {(p[0], mode, block_keys(list(p[1:]), p[0], block_size=bs)[-1]) for p in self.ref.blocks}
+            else:
+                expected = {(p[0], mode, tuple(p[1:])) for p in self.ref.blocks}
+            assert self.mirror.keys == expected
 
     Machine.TestCase.settings = settings(
         max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)

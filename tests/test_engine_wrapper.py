@@ -10,7 +10,7 @@ import torch
 import transformers as T
 from engine_testutil import BS, compare, left_pad, rand_tokens, tiny_model
 
-from engine import PrefixCachedModel, RowStats, UncachedCallWarning, UnsupportedModelError
+from engine import PrefixCachedModel, UncachedCallWarning, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,9 @@ def test_namespaces_never_share(llama, pcm):
     ids = torch.tensor([list(range(3, 23))])
     pcm.generate(ids, max_new_tokens=2, namespace="a")
     pcm.generate(ids, max_new_tokens=2, namespace="b")
-    assert pcm.last_request_stats == (RowStats(20, 0, 5),)  # 20 + 2 - 1 = 21 tokens -> 5 blocks
+    (r,) = pcm.last_request_stats
+    assert (r.prompt_tokens, r.cached_tokens, r.inserted_blocks) == (20, 0, 5)  # 20 + 2 - 1 = 21 tokens -> 5 blocks
+    assert (r.namespace_tokens, r.partial_block_tokens) == (16, 4)  # why: the same tokens are cached under "a"
     pcm.generate(ids, max_new_tokens=2, namespace="a")
     assert pcm.last_request_stats[0].cached_tokens == 16
 

@@ -62,6 +62,7 @@ app = typer.Typer(
     "Examples:\n\n"
     "  prefixcache simulate scenarios/chat.yaml --capacity 4096 --capacity 16384 --json run.json\n\n"
     "  prefixcache simulate trace.jsonl --capacity-blocks 1000 --capacity unlimited\n\n"
+    "  prefixcache explain scenarios/dated_system_prompt.yaml --top 5\n\n"
     "  prefixcache plan scenarios/mooncake_conversation.yaml --html plan.html\n\n"
     "  prefixcache replay scenarios/shared_prompt.yaml --json run.json\n\n"
     "  prefixcache report run.json --html run.html --markdown run.md",

@@ -28,11 +28,12 @@ def info(message: str) -> None:
 
 
 def show(renderable: Any, *, to_stderr: bool = False) -> None:
-    """Print a result (a rich Table, text) to stdout, or to stderr when stdout carries an output file.
+    """Print a result (a rich Table, plain text: no markup) to stdout, or to stderr when stdout carries an
+    output file.
 
     Raises InputError when stdout cannot be written (e.g. a full disk); a closed pipe propagates."""
     try:
-        (err_console if to_stderr else console).print(renderable)
+        (err_console if to_stderr else console).print(renderable, markup=False, highlight=False)
     except BrokenPipeError:
         raise
     except OSError as exc:
@@ -46,6 +47,11 @@ class RunProgress:
         self.p, self.label = progress, label
         self.task: Any = None
         self.every = self.n = self.prompt = self.cached = 0
+
+    @property
+    def on_row(self) -> Any:
+        """The per-request callback to hand a replay: ``row``, or None when nothing is shown (saves a call)."""
+        return None if self.p.disable else self.row
 
     def start(self, capacity: Any, total: int) -> None:
         """A new replay begins (``capacity`` is labelled with ``label(capacity)``)."""

@@ -14,6 +14,7 @@ from prefixcache.cli.app import UsageError, app, user_errors
 from prefixcache.cli.console import run_progress
 from prefixcache.cli.outputs import write_run
 from prefixcache.reports.record import build_record
+from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.results import RunResult
 
 EXIT_MISMATCH = 1
@@ -98,6 +99,7 @@ def replay(
         "device": device,
     }
     results: list[RunResult] = []
+    sites: list[DivergenceSite] = []
     interrupted = False
     with run_progress(progress, lambda c: c.label(bs)) as prog:
         try:
@@ -113,6 +115,7 @@ def replay(
                 device=device,
                 on_start=prog.start,
                 on_row=prog.row,
+                sites=sites,
             )
             settings.update(info)
         except ReplayError as exc:
@@ -122,7 +125,10 @@ def replay(
     mismatched = sum(1 for r in results for row in r.rows if row.outputs_match is False)
     try:
         write_run(
-            build_record("replay", str(scenario.path), settings, results, partial=interrupted), json_out, html, markdown
+            build_record("replay", str(scenario.path), settings, results, partial=interrupted, divergences=sites),
+            json_out,
+            html,
+            markdown,
         )
     finally:
         if mismatched:

@@ -4,23 +4,42 @@ One request's life: ``match`` (pins its longest cached prefix) -> the caller com
 ``commit`` (caches the request's full blocks, returns the new block ids the caller must fill before the
 next ``match``) -> ``release`` (unpins). ``lookup`` wraps match/release in a ``with`` block so that every
 exit path unpins. Not thread-safe: callers serialise (the engine holds a lock).
+
+Cost: every operation does O(nodes on the request's path) Python steps plus memcpy-like work on its token
+bytes and block ids (no Python loop over a request's blocks); eviction is O(victim leaves). Memory is
+proportional to what is cached, never to ``num_blocks``. Listeners (``subscribe``) see what is stored and
+evicted; with none, nothing is computed for them.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from prefixcache.core.allocator import BlockAllocator
+from prefixcache.core.block_ids import EMPTY_IDS, BlockIds, Runs, ids_array, ids_list
+from prefixcache.core.checks import check_int, check_str
 from prefixcache.core.config import DEFAULT_NAMESPACE, CacheConfig
+from prefixcache.core.events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent, Listener, Subscribers
 from prefixcache.core.eviction import POLICIES, EvictionPolicy
-from prefixcache.core.hashing import TOKEN_BYTES, BlockHasher, as_token_array, chain_hashes, namespace_root, xxh3_hasher
-from prefixcache.core.radix_tree import Node, RadixTree, Step
+from prefixcache.core.hashing import (
+    TOKEN_DTYPE,
+    BlockHasher,
+    as_token_array,
+    chain_hashes,
+    namespace_root,
+    token_bytes,
+    xxh3_hasher,
+)
+from prefixcache.core.radix_tree import Node, RadixTree, Root, Step
 from prefixcache.core.stats import CacheStats
 
 
@@ -31,9 +50,16 @@ class RequestHandle:
     id: int
     mode: str  # "tokens" | "keys"
     namespace: str
-    terminal: Node  # the deepest pinned node (a root when nothing is pinned)
-    prompt: Any = field(repr=False)  # token bytes or the key list given to match
+    terminal: Node | None  # the deepest pinned node (None when nothing is pinned)
+    prompt: Any = field(repr=False)  # the validated int32 token array, or the key list, given to match
     released: bool = False
+
+
+def _ids_tuple(runs: tuple[BlockIds, ...]) -> tuple[int, ...]:
+    out: list[int] = []
+    for run in runs:
+        out.extend(ids_list(run))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -42,39 +68,50 @@ class MatchResult:
 
     handle: RequestHandle
     cached_tokens: int
-    block_ids: tuple[int, ...]
+    cached_blocks: int
+    _runs: tuple[BlockIds, ...] = field(repr=False, compare=False)  # the matched nodes' block ids, in order
 
-    @property
-    def cached_blocks(self) -> int:
-        return len(self.block_ids)
+    @cached_property
+    def block_ids(self) -> tuple[int, ...]:
+        """The matched block ids in prompt order (built on first use)."""
+        return _ids_tuple(self._runs)
 
 
 @dataclass(frozen=True)
 class CommitResult:
     """What ``commit`` inserted: fill ``block_ids`` with the KV of blocks ``first_block ...`` of the sequence."""
 
-    block_ids: tuple[int, ...]
     first_block: int
     cached_blocks: int  # blocks of the sequence cached now, from its start
     not_cached: int  # full blocks that did not fit in the pool
+    _new: BlockIds = field(repr=False, compare=False)
+
+    @cached_property
+    def block_ids(self) -> tuple[int, ...]:
+        """The newly cached block ids, in sequence order (built on first use)."""
+        return _ids_tuple((self._new,))
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Why a prompt misses: ``cached_tokens`` is what ``match`` would serve now; ``common_tokens`` the longest
+    common prefix, in tokens, of the prompt and any cached path of its namespace (it may end inside a block,
+    and exceed ``cached_tokens``); ``cached_next`` the token ids of that cached path right after it (what the
+    prompt would have needed to keep hitting; empty where the cached path ends)."""
+
+    cached_tokens: int
+    common_tokens: int
+    cached_next: tuple[int, ...]
 
 
 def _check_keep_for(keep_for: Any) -> float:
-    if isinstance(keep_for, bool) or not isinstance(keep_for, (int, float)) or not keep_for >= 0:
+    if (
+        isinstance(keep_for, (bool, np.bool_))
+        or not isinstance(keep_for, (int, float, np.integer, np.floating))
+        or not keep_for >= 0
+    ):
         raise ValueError(f"keep_for must be a number of seconds >= 0, got {keep_for!r}")
     return float(keep_for)
-
-
-def _check_count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value
-
-
-def _ensure_namespace(namespace: str) -> str:
-    if not isinstance(namespace, str):
-        raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-    return namespace
 
 
 class PrefixCache:
@@ -83,22 +120,34 @@ class PrefixCache:
     def __init__(
         self, config: CacheConfig, *, hasher: BlockHasher | None = None, clock: Callable[[], float] | None = None
     ) -> None:
-        """``hasher`` replaces the seeded xxh3_128 block hash (a test seam for forced collisions).
-        ``clock()`` is the time in seconds that retention (``keep_for``) is measured on; default
-        time.monotonic (a trace replay passes the trace's clock)."""
+        """``hasher`` replaces the seeded xxh3_128 block hash (a test seam for forced collisions; the tree then
+        keys children by hash, which costs a hash per block it walks). ``clock()`` is the time in seconds that
+        retention (``keep_for``) is measured on; default time.monotonic (a trace replay passes the trace's
+        clock)."""
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         self.config = config
         self.clock: Callable[[], float] = clock or time.monotonic
         self._namespace_keep: dict[str, float] = {}
         self.block_size = config.block_size
-        self._hasher = hasher or xxh3_hasher(config.hash_seed)
+        self._hash_keys = hasher is not None and getattr(hasher, "xxh3_seed", None) != config.hash_seed
+        self._hasher: BlockHasher = hasher or xxh3_hasher(config.hash_seed)
         self._policy_factory = POLICIES[config.eviction]
+        self._subscribers = Subscribers()
         self.reset()
 
     # ---- state ---------------------------------------------------------------------------------------
     def reset(self, *, keep_stats: bool = False) -> None:
-        """Forget every cached block and live request; counters restart from zero unless ``keep_stats``."""
+        """Forget every cached block and live request; counters restart from zero unless ``keep_stats``.
+        Listeners stay subscribed and get ``CacheCleared``."""
         c = self.config
-        self.tree = RadixTree(c.block_size, self._hasher, partial(namespace_root, seed=c.hash_seed), c.verify_tokens)
+        self.tree = RadixTree(
+            c.block_size,
+            self._hasher,
+            partial(namespace_root, seed=c.hash_seed),
+            c.verify_tokens,
+            self._hash_keys,
+        )
         self.allocator = BlockAllocator(c.num_blocks)
         self.policy: EvictionPolicy = self._policy_factory(self.clock)
         if not keep_stats or not hasattr(self, "stats"):
@@ -106,6 +155,13 @@ class PrefixCache:
         self._live: dict[int, RequestHandle] = {}
         self._ids = itertools.count(1)
         self._clock = 0
+        if self._subscribers:
+            self._subscribers.emit([CacheCleared()])
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(event)`` for every later ``BlocksStored`` / ``BlocksRemoved`` / ``CacheCleared``
+        (see ``prefixcache.core.events``); returns the function that unsubscribes it. Changes no cached data."""
+        return self._subscribers.add(listener)
 
     @property
     def num_blocks(self) -> int:
@@ -127,16 +183,18 @@ class PrefixCache:
     def match(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> MatchResult:
         """Find and PIN the longest cached prefix of ``tokens``; at least one token is always left uncached.
 
-        Changes the cache: pins the matched path, refreshes its recency, may split a node, counts stats.
+        Changes the cache: pins the matched path, refreshes its recency, may split a node, counts stats. The
+        request keeps ``tokens`` for ``commit`` without copying it when it already is a contiguous int32 array:
+        don't change that array until the request is committed or released.
         """
         arr = as_token_array(tokens)
         n = len(arr)
         if n == 0:
             raise ValueError("tokens is empty: a prompt needs at least one token")
-        data = arr.tobytes()
-        root = self.tree.root("tokens", _ensure_namespace(namespace))
-        path = self.tree.walk_tokens(root, data, (n - 1) // self.block_size)
-        return self._finish_match("tokens", namespace, root, path, data, n, -(-n // self.block_size))
+        check_str(namespace, "namespace")
+        bs = self.block_size
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), arr.data.cast("B"), (n - 1) // bs)
+        return self._finish_match("tokens", namespace, path, arr, n, -(-n // bs))
 
     def match_keys(
         self,
@@ -147,48 +205,72 @@ class PrefixCache:
         num_tokens: int | None = None,
     ) -> MatchResult:
         """Like ``match`` for precomputed block keys (e.g. Mooncake ``hash_ids``): ``keys[i]`` names block i
-        together with everything before it. Up to ``max_blocks`` (default all) may hit; ``num_tokens`` (default
-        ``len(keys) * block_size``) is the prompt length used for token counts.
+        together with everything before it. Up to ``max_blocks`` (default all) may hit; ``num_tokens`` (an int
+        >= 1, default ``len(keys) * block_size``) is the prompt length used for token counts.
         """
         keys = list(keys)
         if not keys:
             raise ValueError("keys is empty: a request needs at least one block")
-        nb = len(keys) if max_blocks is None else max(0, min(max_blocks, len(keys)))
-        n = len(keys) * self.block_size if num_tokens is None else num_tokens
-        root = self.tree.root("keys", _ensure_namespace(namespace))
-        path = self.tree.walk_keys(root, keys, nb)
-        return self._finish_match("keys", namespace, root, path, keys, n, len(keys))
+        check_str(namespace, "namespace")
+        nb = len(keys)
+        if max_blocks is not None:
+            nb = min(check_int(max_blocks, "max_blocks", minimum=0, type_error=ValueError), nb)
+        if num_tokens is None:
+            n = len(keys) * self.block_size
+        else:
+            n = check_int(num_tokens, "num_tokens", minimum=1, type_error=ValueError)
+        path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
+        return self._finish_match("keys", namespace, path, keys, n, len(keys))
 
     def probe(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens ``match`` would serve now. Changes nothing."""
-        arr = as_token_array(tokens)
-        if len(arr) == 0:
+        data = token_bytes(tokens)
+        check_str(namespace, "namespace")
+        if len(data) == 0:
             return 0
-        root = self.tree.roots.get(("tokens", _ensure_namespace(namespace)))
-        if root is None:
-            return 0
-        path = self.tree.walk_tokens(root, arr.tobytes(), (len(arr) - 1) // self.block_size)
+        n = len(data) // TOKEN_DTYPE.itemsize
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), data, (n - 1) // self.block_size)
         return sum(s.matched for s in path) * self.block_size
 
+    def divergence(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE, *, context: int = 16) -> Divergence:
+        """Where ``tokens`` leaves the cached paths of ``namespace`` (see ``Divergence``): token granular (block
+        granular with an injected hasher and verify_tokens off); ``cached_next`` has at most ``context`` ids and
+        follows the most recently used branch where cached paths fork. Changes nothing."""
+        data = token_bytes(tokens)
+        check_str(namespace, "namespace")
+        context = check_int(context, "context", minimum=0)
+        n = len(data) // TOKEN_DTYPE.itemsize
+        root = self.tree.roots.get(("tokens", namespace))
+        served = 0
+        if n:
+            served = sum(s.matched for s in self.tree.walk_tokens(root, data, (n - 1) // self.block_size))
+        common, following = self.tree.nearest(root, data, context)
+        nxt = tuple(np.frombuffer(following, TOKEN_DTYPE).tolist())
+        return Divergence(served * self.block_size, common // TOKEN_DTYPE.itemsize, nxt)
+
     def _finish_match(
-        self, mode: str, namespace: str, root: Node, path: list[Step], prompt: Any, n: int, nblocks: int
+        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int
     ) -> MatchResult:
-        terminal = self._split_last(path) if path else root
+        terminal = self._split_last(path) if path else None
         self._clock += 1
-        handle = RequestHandle(next(self._ids), mode, namespace, root, prompt)
+        clock = self._clock
+        handle = RequestHandle(next(self._ids), mode, namespace, terminal, prompt)
         self._live[handle.id] = handle
-        self._pin_path(handle, terminal)
-        blocks: list[int] = []
+        runs: list[BlockIds] = []
+        hit = 0
+        policy = self.policy
         node = terminal
-        hit_nodes = []
-        while not node.is_root:
-            hit_nodes.append(node)
-            node = node.parent  # type: ignore[assignment]
-        for node in reversed(hit_nodes):
-            blocks.extend(node.blocks)
-            node.last_access = self._clock
+        while node is not None and node.parent is not None:  # pin, refresh, count a hit: one step per node
+            if node.pins == 0:
+                policy.remove(node)
+            node.pins += 1
+            node.last_access = clock
             node.hits += 1
-        hit = len(blocks)
+            blocks = node.blocks
+            runs.append(blocks)
+            hit += len(blocks)
+            node = node.parent
+        runs.reverse()
         cached_tokens = min(hit * self.block_size, n)
         s = self.stats
         s.lookups += 1
@@ -197,7 +279,7 @@ class PrefixCache:
         s.lookup_blocks += nblocks
         s.hit_blocks += hit
         s.lookups_with_hit += hit > 0
-        return MatchResult(handle, cached_tokens, tuple(blocks))
+        return MatchResult(handle, cached_tokens, hit, tuple(runs))
 
     def _split_last(self, path: list[Step]) -> Node:
         last = path[-1]
@@ -226,22 +308,15 @@ class PrefixCache:
         self._check_live(handle)
         if handle.mode != "tokens":
             raise ValueError(f"request {handle.id} was matched by keys; use commit_keys")
-        if tokens is None:
-            data = handle.prompt
-        else:
-            data = as_token_array(tokens).tobytes()
-        nblocks = len(data) // (TOKEN_BYTES * self.block_size)
-        root = self.tree.root("tokens", handle.namespace)
-        path = self.tree.walk_tokens(root, data, nblocks)
-        bb = self.tree.block_bytes
-
-        def make(start: int, stop: int, parent: Node) -> tuple[list, bytes | None]:
-            keys = chain_hashes(self._hasher, parent.keys[-1], data, self.block_size, start, stop)
-            toks = data[start * bb : stop * bb] if self.config.verify_tokens else None
-            return keys, toks
-
-        keep_blocks = None if keep_tokens is None else _check_count(keep_tokens, "keep_tokens") // self.block_size
-        return self._insert(handle, root, path, nblocks, make, keep_for, keep_blocks)
+        prompt = handle.prompt
+        data = prompt.data.cast("B") if tokens is None else token_bytes(tokens)
+        keep_blocks = None
+        if keep_tokens is not None:
+            keep_blocks = check_int(keep_tokens, "keep_tokens", minimum=0, type_error=ValueError) // self.block_size
+        until = self._until(handle.namespace, keep_for)
+        nblocks = len(data) // self.tree.block_bytes
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", handle.namespace)), data, nblocks)
+        return self._insert(handle, path, nblocks, data, until, keep_blocks)
 
     def commit_keys(
         self,
@@ -257,81 +332,106 @@ class PrefixCache:
         if handle.mode != "keys":
             raise ValueError(f"request {handle.id} was matched by tokens; use commit")
         keys = handle.prompt if keys is None else list(keys)
-        root = self.tree.root("keys", handle.namespace)
-        path = self.tree.walk_keys(root, keys, len(keys))
         if keep_blocks is not None:
-            keep_blocks = _check_count(keep_blocks, "keep_blocks")
-        return self._insert(
-            handle, root, path, len(keys), lambda a, b, parent: (keys[a:b], None), keep_for, keep_blocks
-        )
+            keep_blocks = check_int(keep_blocks, "keep_blocks", minimum=0, type_error=ValueError)
+        until = self._until(handle.namespace, keep_for)
+        path = self.tree.walk_keys(self.tree.roots.get(("keys", handle.namespace)), keys, len(keys))
+        return self._insert(handle, path, len(keys), keys, until, keep_blocks)
 
     def retain_namespace(self, namespace: str, keep_for: float | None) -> None:
         """Default ``keep_for`` of every later commit in ``namespace`` (None: stop). Changes only that default."""
+        check_str(namespace, "namespace")
         if keep_for is None:
-            self._namespace_keep.pop(_ensure_namespace(namespace), None)
+            self._namespace_keep.pop(namespace, None)
         else:
-            self._namespace_keep[_ensure_namespace(namespace)] = _check_keep_for(keep_for)
+            self._namespace_keep[namespace] = _check_keep_for(keep_for)
+
+    def _until(self, namespace: str, keep_for: float | None) -> float | None:
+        if keep_for is None:
+            keep_for = self._namespace_keep.get(namespace)
+        return None if keep_for is None else self.clock() + _check_keep_for(keep_for)
+
+    def _first_key(self, mode: str, namespace: str, parent: Node | None, source: Any, at: int) -> Hashable:
+        """The key, under ``parent`` (None: the namespace's root), of a new run starting at block ``at``."""
+        if mode == "keys":
+            key: Hashable = source[at]
+            return key
+        tree = self.tree
+        first = bytes(source[at * tree.block_bytes : (at + 1) * tree.block_bytes])
+        if not self._hash_keys:
+            return first
+        parent_hash = tree.last_hash(parent) if parent is not None else tree.root_hash(namespace)
+        return self._hasher(parent_hash, first)
 
     def _insert(
         self,
         handle: RequestHandle,
-        root: Node,
         path: list[Step],
         nblocks: int,
-        make,
-        keep_for: float | None = None,
-        keep_blocks: int | None = None,
+        source: Any,
+        until: float | None,
+        keep_blocks: int | None,
     ) -> CommitResult:
-        if keep_for is None:
-            keep_for = self._namespace_keep.get(handle.namespace)
-        until = None if keep_for is None else self.clock() + _check_keep_for(keep_for)
-        terminal = self._split_last(path) if path else root
-        have = sum(s.matched for s in path)
+        mode, namespace, tree = handle.mode, handle.namespace, self.tree
+        terminal = self._split_last(path) if path else None
+        have = 0
+        for step in path:
+            have += step.matched
         self._clock += 1
         old = handle.terminal
-        self._pin_path(handle, terminal)  # pin the new path before letting go of the old one
+        self._pin_path(terminal)  # pin the new path before letting go of the old one
+        handle.terminal = terminal
         self._unpin_path(old)
-        node = terminal
-        while not node.is_root:
-            node.last_access = self._clock
-            node = node.parent  # type: ignore[assignment]
         want = nblocks - have
-        new_ids: list[int] = []
+        events: list[CacheEvent] | None = [] if self._subscribers else None
+        new_ids = EMPTY_IDS
         if want > 0:
-            keys, toks = make(have, nblocks, terminal)
-            if keys[0] in terminal.children:
+            key = self._first_key(mode, namespace, terminal, source, have)
+            if terminal is not None:
+                siblings = terminal.children
+            else:
+                root = tree.roots.get((mode, namespace))
+                siblings = root.children if root is not None else {}
+            if key in siblings:
                 # Another run hangs under the same key: a hash collision that token verification caught in
                 # the walk. Equal keys must mean equal prefixes, so the new blocks are not cached.
                 fit = 0
             else:
                 short = want - self.allocator.num_free
                 if short > 0:
-                    self._evict(short)
+                    self._evict(short, events)
                 fit = min(want, self.allocator.num_free)
             if fit > 0:
                 new_ids = self.allocator.allocate(fit)
-                if fit < want:
-                    keys = keys[:fit]
-                    toks = None if toks is None else toks[: fit * self.tree.block_bytes]
+                parent = terminal if terminal is not None else tree.root(mode, namespace)  # after evicting
+                if mode == "tokens":
+                    bb = tree.block_bytes
+                    toks = bytes(source[have * bb : (have + fit) * bb])
+                    node = tree.add_child(parent, key, new_ids, toks, None, self._clock)
+                else:
+                    node = tree.add_child(parent, key, new_ids, None, source[have : have + fit], self._clock)
                 # Always a new node, never appended to the request's leaf: its blocks are born now, with no hits
                 # yet (what FIFO and LFU order by); the handle's pins move down to it.
-                terminal = self.tree.add_child(terminal, keys, new_ids, toks, self._clock)
-                terminal.pins = 1
+                node.pins = 1
+                handle.terminal = terminal = node
+                if events is not None:
+                    events.append(self._stored_event(namespace, mode, parent, node))
             self.stats.blocks_inserted += fit
             self.stats.blocks_not_cached += want - fit
-        handle.terminal = terminal
-        if until is not None and keep_blocks != 0:
+        if until is not None and keep_blocks != 0 and terminal is not None:
             self._retain(terminal, until, keep_blocks)
-        return CommitResult(tuple(new_ids), have, have + len(new_ids), max(0, want - len(new_ids)))
+        if events:
+            self._subscribers.emit(events)
+        return CommitResult(have, have + len(new_ids), want - len(new_ids) if want > 0 else 0, new_ids)
 
     def _retain(self, terminal: Node, until: float, keep_blocks: int | None) -> None:
         """Mark the path to ``terminal`` (or its first ``keep_blocks`` blocks, splitting the node where that
         ends) to be kept until ``until``. The path is pinned, so no policy holds these nodes while they change."""
         path = []
-        node = terminal
-        while not node.is_root:
+        node: Node | None = terminal
+        while node is not None and node.parent is not None:
             path.append(node)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
         depth = 0
         for node in reversed(path):
             if keep_blocks is not None and depth + len(node.blocks) > keep_blocks:
@@ -340,6 +440,33 @@ class PrefixCache:
                 break
             node.keep_until = max(node.keep_until, until)
             depth += len(node.blocks)
+
+    # ---- events --------------------------------------------------------------------------------------
+    def _stored_event(self, namespace: str, mode: str, parent: Node, node: Node) -> BlocksStored:
+        """The BlocksStored of a node just hung under ``parent`` (computes, and caches, its chained hashes)."""
+        if mode == "keys":
+            assert node._keys is not None
+            parent_key = None if parent.parent is None else parent.keys[-1]
+            return BlocksStored(namespace, mode, parent_key, tuple(node._keys), None)
+        tree = self.tree
+        view = node.token_view(tree.block_bytes)
+        chain_parent = tree.last_hash(parent)
+        keys = chain_hashes(self._hasher, chain_parent, view, self.block_size, 0, len(node.blocks))
+        node.first_hash, node.last_hash = keys[0], keys[-1]
+        tokens = tuple(np.frombuffer(view, TOKEN_DTYPE).tolist())
+        return BlocksStored(namespace, mode, None if parent.parent is None else chain_parent, tuple(keys), tokens)
+
+    def _removed_event(self, node: Node, keep: int) -> BlocksRemoved:
+        """The BlocksRemoved for dropping ``node``'s blocks from ``keep`` on (computed before they go)."""
+        root: Node = node
+        while root.parent is not None:
+            root = root.parent
+        assert isinstance(root, Root)
+        if node._keys is not None:
+            keys: list[Any] = node._keys[keep:]
+        else:
+            keys = self.tree.block_hashes(node, keep)
+        return BlocksRemoved(root.namespace, root.mode, tuple(keys))
 
     # ---- release -------------------------------------------------------------------------------------
     def release(self, handle: RequestHandle) -> None:
@@ -368,89 +495,140 @@ class PrefixCache:
             raise ValueError(f"request {handle.id} does not belong to this cache (or the cache was reset)")
 
     # ---- pins and eviction ---------------------------------------------------------------------------
-    def _pin_path(self, handle: RequestHandle, terminal: Node) -> None:
-        handle.terminal = terminal
+    def _pin_path(self, terminal: Node | None) -> None:
+        """Pin the path to ``terminal`` and refresh its recency (one tick: the current ``_clock``)."""
         node = terminal
-        policy = self.policy
-        while not node.is_root:
+        policy, clock = self.policy, self._clock
+        while node is not None and node.parent is not None:
             if node.pins == 0:
                 policy.remove(node)
             node.pins += 1
-            node = node.parent  # type: ignore[assignment]
+            node.last_access = clock
+            node = node.parent
 
-    def _unpin_path(self, terminal: Node) -> None:
+    def _unpin_path(self, terminal: Node | None) -> None:
         node = terminal
-        while not node.is_root:
+        while node is not None and node.parent is not None:
             node.pins -= 1
-            if node.pins == 0 and node.is_leaf:
+            if node.pins == 0 and not node.children:
                 self.policy.add(node)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
-    def _evict(self, n: int) -> int:
-        """Free up to ``n`` blocks from unpinned leaves, victim order per policy, tail first. Returns freed."""
+    def _evict(self, n: int, events: list[CacheEvent] | None) -> int:
+        """Free up to ``n`` blocks: victim leaves in policy order, each losing its needed tail (tail block
+        first) in one step; a leaf that empties is unhooked (its parent may become a victim, an empty root
+        is dropped). Returns the number freed."""
         freed = 0
-        policy, tree = self.policy, self.tree
+        policy, tree, allocator = self.policy, self.tree, self.allocator
         while freed < n:
             victim = policy.peek()
             if victim is None:
                 break
-            k = min(n - freed, len(victim.blocks))
-            ids = tree.drop_tail(victim, k)
-            self.allocator.decref(ids)
+            assert isinstance(victim, Node)
+            nb = len(victim.blocks)
+            k = min(n - freed, nb)
+            if events is not None:
+                events.append(self._removed_event(victim, nb - k))
+            allocator.free(tree.drop_tail(victim, k))
             freed += k
-            if not victim.blocks:
+            if k == nb:
                 policy.remove(victim)
                 parent = victim.parent
-                if parent is not None and not parent.is_root and parent.pins == 0 and parent.is_leaf:
+                assert parent is not None
+                if parent.parent is None:
+                    tree.drop_root_if_empty(parent)
+                elif parent.pins == 0 and not parent.children:
                     policy.add(parent)
         self.stats.blocks_evicted += freed
         return freed
 
     # ---- invariants ----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError with a clear message if any invariant is broken. Changes nothing."""
-        self.allocator.check_integrity()
-        bs_bytes = self.tree.block_bytes
+        """Raise AssertionError with a clear message if any invariant is broken. Changes nothing.
+
+        O(cached nodes) plus numpy work on the cached block ids, plus re-hashing the blocks of nodes whose
+        hashes are cached (none on the default path without listeners)."""
+        tree = self.tree
+        bb = tree.block_bytes
         expected_pins: dict[int, int] = {}
         for h in self._live.values():
             node = h.terminal
-            while not node.is_root:
+            while node is not None and node.parent is not None:
                 expected_pins[node.id] = expected_pins.get(node.id, 0) + 1
-                node = node.parent  # type: ignore[assignment]
-        seen: set[int] = set()
-        evictable = set()
-        for node in self.tree.nodes():
+                node = node.parent
+        for (mode, namespace), root in tree.roots.items():
+            if not isinstance(root, Root) or (root.mode, root.namespace) != (mode, namespace):
+                raise AssertionError(f"roots[{mode!r}, {namespace!r}] is not that namespace's root")
+            if not root.children:
+                raise AssertionError(f"namespace {namespace!r} ({mode}) keeps an empty root")
+            if len(root.blocks) or root.pins:
+                raise AssertionError("a root holds blocks or pins")
+        runs: list[npt.NDArray[np.int64]] = []
+        evictable: set[int] = set()
+        expected_first: dict[int, bytes] = {}
+        expected_last: dict[int, bytes] = {}
+
+        def chain_of(node: Node) -> None:
+            """Fill expected_first/last for ``node`` and its ancestors (tokens mode), from the namespace root."""
+            todo: list[Node] = []
+            n: Node | None = node
+            while n is not None and n.parent is not None and n.id not in expected_last:
+                todo.append(n)
+                n = n.parent
+            assert n is not None
+            h = expected_last[n.id] if n.parent is not None else tree.root_hash(n.namespace)  # type: ignore[attr-defined]
+            for m in reversed(todo):
+                hs = chain_hashes(self._hasher, h, m.token_view(bb), self.block_size, 0, len(m.blocks))
+                expected_first[m.id], expected_last[m.id] = hs[0], hs[-1]
+                h = hs[-1]
+
+        for node in tree.nodes():
             where = f"node {node.id}"
-            if not node.blocks:
+            nb = len(node.blocks)
+            if not nb:
                 raise AssertionError(f"{where} holds no blocks")
-            if len(node.keys) != len(node.blocks):
-                raise AssertionError(f"{where}: {len(node.keys)} keys for {len(node.blocks)} blocks")
-            if node.tokens is not None and len(node.tokens) != len(node.blocks) * bs_bytes:
-                raise AssertionError(f"{where}: token bytes do not cover its blocks")
+            if not isinstance(node.blocks, (range, Runs)) and (
+                not isinstance(node.blocks, np.ndarray) or node.blocks.dtype != np.int64 or node.blocks.ndim != 1
+            ):
+                raise AssertionError(f"{where}: block ids are not a range, Runs or 1-D int64 array")
             parent = node.parent
             assert parent is not None
-            if parent.children.get(node.keys[0]) is not node:
-                raise AssertionError(f"{where} is not its parent's child under its first key")
-            if not parent.is_root and parent.last_access < node.last_access:
+            if parent.children.get(node.key) is not node:
+                raise AssertionError(f"{where} is not its parent's child under its key")
+            if node.tokens is not None:
+                if len(node.tokens) < node.tok_start + nb * bb or node.tok_start < 0:
+                    raise AssertionError(f"{where}: token bytes do not cover its blocks")
+                if node.first_hash is not None or node.last_hash is not None or self._hash_keys:
+                    chain_of(node)
+                    if node.first_hash is not None and node.first_hash != expected_first[node.id]:
+                        raise AssertionError(f"{where}: cached first-block hash is stale")
+                    if node.last_hash is not None and node.last_hash != expected_last[node.id]:
+                        raise AssertionError(f"{where}: cached last-block hash is stale")
+                key = expected_first[node.id] if self._hash_keys else bytes(node.token_view(bb)[:bb])
+                if node.key != key:
+                    raise AssertionError(f"{where}: its key is not its first block's")
+            else:
+                if node._keys is None or len(node._keys) != nb:
+                    raise AssertionError(f"{where}: {len(node._keys or [])} keys for {nb} blocks")
+                if node.key != node._keys[0]:
+                    raise AssertionError(f"{where}: its key is not its first block's")
+            if parent.parent is not None and parent.last_access < node.last_access:
                 raise AssertionError(f"{where} was used more recently than its parent {parent.id}")
             if node.pins != expected_pins.get(node.id, 0):
                 raise AssertionError(
                     f"{where}: pins={node.pins}, live requests through it={expected_pins.get(node.id, 0)}"
                 )
-            for b in node.blocks:
-                if b in seen:
-                    raise AssertionError(f"block {b} is cached twice")
-                seen.add(b)
-                if self.allocator.refs[b] != 1:
-                    raise AssertionError(f"cached block {b} has ref count {self.allocator.refs[b]}")
-            if node.is_leaf and node.pins == 0:
+            runs.append(ids_array(node.blocks))
+            if not node.children and node.pins == 0:
                 evictable.add(node.id)
-        for root in self.tree.roots.values():
-            if root.blocks or root.pins:
-                raise AssertionError("a root holds blocks or pins")
+        cached = np.concatenate(runs) if runs else ids_array(EMPTY_IDS)
+        uniq, counts = np.unique(cached, return_counts=True)
+        if len(uniq) != len(cached):
+            raise AssertionError(f"block {int(uniq[np.argmax(counts > 1)])} is cached twice")
+        self.allocator.check_integrity(cached, single_owner=True)
         in_policy = {n.id for n in self.policy}
         if in_policy != evictable or len(self.policy) != len(evictable):
             raise AssertionError(f"evictable set {sorted(in_policy)} != unpinned leaves {sorted(evictable)}")
         free = self.allocator.num_free
-        if free + len(seen) != self.config.num_blocks:
-            raise AssertionError(f"free {free} + cached {len(seen)} != num_blocks {self.config.num_blocks}")
+        if free + len(cached) != self.config.num_blocks:
+            raise AssertionError(f"free {free} + cached {len(cached)} != num_blocks {self.config.num_blocks}")

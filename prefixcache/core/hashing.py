@@ -6,15 +6,18 @@ namespaces never produce the same chain. Token ids travel as little-endian int32
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 import xxhash
 
+from prefixcache.core.checks import check_int, check_str
+
 TOKEN_DTYPE = np.dtype("<i4")
 TOKEN_BYTES = TOKEN_DTYPE.itemsize
 _MAX_TOKEN = np.iinfo(TOKEN_DTYPE).max
+_MIN = np.minimum.reduce
 
 
 class BlockHasher(Protocol):
@@ -40,7 +43,7 @@ def namespace_root(namespace: str, seed: int) -> bytes:
 
 
 def chain_hashes(
-    hasher: BlockHasher, parent: bytes, data: bytes, block_size: int, start: int, stop: int
+    hasher: BlockHasher, parent: bytes, data: bytes | memoryview, block_size: int, start: int, stop: int
 ) -> list[bytes]:
     """Hashes of blocks ``start..stop-1`` of ``data`` (token bytes), chained from ``parent``."""
     bb = block_size * TOKEN_BYTES
@@ -54,9 +57,49 @@ def chain_hashes(
             append(parent)
         return out
     for off in range(start * bb, stop * bb, bb):
-        parent = hasher(parent, data[off : off + bb])
+        parent = hasher(parent, bytes(data[off : off + bb]))
         append(parent)
     return out
+
+
+def block_keys(
+    tokens: Any, namespace: str, *, block_size: int, hash_seed: int = 0, max_blocks: int | None = None
+) -> list[bytes]:
+    """The chained keys (16-byte xxh3_128 digests) of the full blocks of ``tokens`` in ``namespace``, exactly
+    as a PrefixCache with this ``block_size`` and ``hash_seed`` computes them (e.g. in ``BlocksStored`` events),
+    at most ``max_blocks`` of them. For a router that mirrors caches. Changes nothing."""
+    check_str(namespace, "namespace")
+    block_size = check_int(block_size, "block_size", minimum=1)
+    hash_seed = check_int(hash_seed, "hash_seed", minimum=0)
+    data = as_token_array(tokens).tobytes()
+    n = len(data) // (block_size * TOKEN_BYTES)
+    if max_blocks is not None:
+        n = min(n, check_int(max_blocks, "max_blocks", minimum=0))
+    return chain_hashes(xxh3_hasher(hash_seed), namespace_root(namespace, hash_seed), data, block_size, 0, n)
+
+
+def _native(tokens: Any) -> bool:
+    """Whether ``tokens`` is already what the cache stores: a 1-D C-contiguous little-endian int32 array."""
+    return (
+        type(tokens) is np.ndarray
+        and tokens.dtype is TOKEN_DTYPE
+        and tokens.ndim == 1
+        and bool(tokens.flags.c_contiguous)
+    )
+
+
+def _check_sign(arr: np.ndarray, what: str) -> None:
+    """Raise ValueError naming the first negative id of int32 ``arr`` (the only bad ids it can hold)."""
+    if arr.size and _MIN(arr) < 0:
+        bad = int(np.argmax(arr < 0))
+        raise ValueError(f"{what}[{bad}] is {arr[bad]}; token ids must be >= 0")
+
+
+def token_bytes(tokens: Any, what: str = "tokens") -> memoryview:
+    """Validated token ids as a byte-format view of little-endian int32 (no copy when ``tokens`` is already
+    a contiguous int32 array; the view must not outlive a change to it)."""
+    data: memoryview = as_token_array(tokens, what).data.cast("B")
+    return data
 
 
 def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
@@ -65,10 +108,19 @@ def as_token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
     Accepts a 1-D list/tuple/range of ints, a 1-D integer numpy array, or a 1-D integer CPU tensor.
     Raises TypeError or ValueError naming the problem and, for a bad id, its position.
     """
-    if isinstance(tokens, (str, bytes)):
-        raise TypeError(f"{what} must be a 1-D sequence of integer token ids, got {type(tokens).__name__}")
+    if _native(tokens):  # the fast path: already what the cache stores
+        _check_sign(tokens, what)
+        return tokens  # type: ignore[no-any-return]
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
+    elif not isinstance(tokens, (np.ndarray, list, tuple, range)) and (
+        isinstance(tokens, (str, bytes, bytearray, Mapping))
+        or not (hasattr(tokens, "__len__") and hasattr(tokens, "__getitem__"))
+    ):  # None, a number, a set, a dict, an iterator or generator: say what was given, not "shape ()"
+        raise TypeError(
+            f"{what} must be a 1-D sequence of integer token ids, got {type(tokens).__name__} "
+            "(pass a list, tuple, numpy array or tensor)"
+        )
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:  # ragged nesting

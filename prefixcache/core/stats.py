@@ -27,7 +27,7 @@ class CacheStats:
     def block_hit_rate(self) -> float:
         return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int | float]:
         d = asdict(self)
         d["token_hit_rate"] = self.token_hit_rate
         d["block_hit_rate"] = self.block_hit_rate

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.table import Table as RichTable
+from rich.text import Text
 
 from prefixcache.reports.output import check_output, write_output
 
@@ -24,11 +25,17 @@ p.note{color:#555;font-size:.9em}"""
 
 @dataclass(frozen=True)
 class Table:
-    """A table of strings; the first column is a label, the others are right-aligned numbers."""
+    """A table of strings; the first column is a label, the others are right-aligned numbers, unless ``align``
+    gives each column's alignment ("l" or "r", e.g. "lrrl")."""
 
     header: list[str]
     rows: list[list[str]]
     title: str = ""
+    align: str | None = None
+
+    def aligns(self) -> str:
+        """Each column's alignment, "l" or "r"."""
+        return self.align or "l" + "r" * (len(self.header) - 1)
 
 
 @dataclass(frozen=True)
@@ -63,17 +70,18 @@ class Document:
 def rich_table(table: Table) -> RichTable:
     """A rich Table for the terminal."""
     t = RichTable(title=table.title or None, title_justify="left")
-    for i, h in enumerate(table.header):
-        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for i, (h, a) in enumerate(zip(table.header, table.aligns())):
+        t.add_column(h, justify="left" if a == "l" else "right", no_wrap=i == 0)
     for r in table.rows:
-        t.add_row(*r)
+        t.add_row(*(Text(c) for c in r))  # plain text: a "[doc 7]" in a cell is not rich markup
     return t
 
 
 def _html_table(t: Table) -> str:
     e = html.escape
+    style = ["" if i and a == "r" else " style='text-align:left'" if i else "" for i, a in enumerate(t.aligns())]
     head = "<tr>" + "".join(f"<th>{e(h)}</th>" for h in t.header) + "</tr>"
-    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in t.rows)
+    body = "".join("<tr>" + "".join(f"<td{st}>{e(c)}</td>" for c, st in zip(r, style)) + "</tr>" for r in t.rows)
     return f"<table>{head}{body}</table>"
 
 
@@ -120,7 +128,7 @@ def markdown_text(doc: Document, image_names: dict[str, str]) -> str:
             if isinstance(b, Table):
                 if b.title:
                     lines += [f"### {b.title}", ""]
-                align = "|" + "|".join("---:" if i else "---" for i in range(len(b.header))) + "|"
+                align = "|" + "|".join("---:" if a == "r" else "---" for a in b.aligns()) + "|"
                 lines += ["| " + " | ".join(_md_cell(h) for h in b.header) + " |", align]
                 lines += ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in b.rows]
                 lines.append("")

@@ -7,24 +7,29 @@ JSON layout, version 2 (``report`` renders it; version 1 files, whose rows were 
      "totals": [ {capacity_tokens, capacity_blocks, pool_blocks, block_size, requests, prompt_tokens,
                   cached_tokens, token_hit_rate, block_hit_rate, ...}, ... ],   # one per capacity
      "runs": [ {"capacity_tokens", "capacity_blocks", "pool_blocks", "block_size", "partial",
-                "rows": {"index": [...], "namespace": [...], ...}}, ... ]}   # rows column by column
+                "rows": {"index": [...], "namespace": [...], ...}}, ... ],  # rows column by column
+     "divergences": [ {position, requests, tokens, example, partner, before, this, other}, ... ]}
 
 A row is one request (``prefixcache.sim.results.Row``); times are seconds, null when not measured;
 ``capacity_*`` are null for an unlimited capacity. ``totals`` are derived from the rows (they are written
-for other readers and recomputed on load).
+for other readers and recomputed on load). Rows say why their uncached tokens missed (``cold_tokens`` ...
+``shared_with``, see ``prefixcache.sim.causes``); ``divergences`` lists the top divergence points of the run
+(``prefixcache.sim.diagnosis.DivergenceSite``; they do not depend on the capacity). Files written before
+these existed load with null causes and no divergences.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefixcache.core.errors import InputError, shown
 from prefixcache.reports.output import write_output
+from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.results import ROW_FIELDS, Row, RunResult
 from prefixcache.workload.files import input_file, read_text
@@ -32,6 +37,7 @@ from prefixcache.workload.files import input_file, read_text
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MAX_RECORD_BYTES = 2**33  # 8 GiB: a bound for a pipe that never ends, far above any real record
+TOP_SITES = 50  # divergence points a record keeps
 
 
 def _now() -> str:
@@ -48,6 +54,7 @@ class RunRecord:
     runs: tuple[RunResult, ...]
     partial: bool = False
     created: str = field(default_factory=_now)
+    divergences: tuple[DivergenceSite, ...] = ()  # the top divergence points, most costly first
 
     def totals(self) -> list[dict[str, Any]]:
         """Each run's totals (see ``prefixcache.sim.results.totals``)."""
@@ -59,10 +66,23 @@ class RunRecord:
 
 
 def build_record(
-    command: str, source: str, settings: dict[str, Any], results: list[RunResult], *, partial: bool = False
+    command: str,
+    source: str,
+    settings: dict[str, Any],
+    results: list[RunResult],
+    *,
+    partial: bool = False,
+    divergences: Sequence[DivergenceSite] = (),
 ) -> RunRecord:
     """The record of one command; ``partial`` also when any run was interrupted."""
-    return RunRecord(command, source, settings, tuple(results), bool(partial or any(r.partial for r in results)))
+    return RunRecord(
+        command,
+        source,
+        settings,
+        tuple(results),
+        bool(partial or any(r.partial for r in results)),
+        divergences=tuple(divergences),
+    )
 
 
 def to_json(record: RunRecord) -> dict[str, Any]:
@@ -89,6 +109,7 @@ def to_json(record: RunRecord) -> dict[str, Any]:
         "settings": record.settings,
         "totals": record.totals(),
         "runs": runs,
+        "divergences": [asdict(d) for d in record.divergences],
     }
 
 
@@ -132,6 +153,15 @@ _ROW_SPEC: dict[str, tuple[str, bool]] = {
     "ttft_uncached_s": ("seconds", True),
     "total_uncached_s": ("seconds", True),
     "outputs_match": ("bool", True),
+    "cold_tokens": ("int", True),
+    "evicted_tokens": ("int", True),
+    "diverged_tokens": ("int", True),
+    "partial_block_tokens": ("int", True),
+    "namespace_tokens": ("int", True),
+    "not_cached_tokens": ("int", True),
+    "reuse_blocks": ("int", True),
+    "shared_tokens": ("int", True),
+    "shared_with": ("int", True),
 }
 # (part, whole): a row's part can never exceed its whole
 _ROW_BOUNDS = (("cached_tokens", "prompt_tokens"), ("hit_blocks", "blocks"))
@@ -139,6 +169,17 @@ _ROW_BOUNDS = (("cached_tokens", "prompt_tokens"), ("hit_blocks", "blocks"))
 _TOTALS_CHECKED = ("requests", "prompt_tokens", "cached_tokens")
 _ROW_DEFAULTS = Row._field_defaults
 assert set(_ROW_SPEC) == set(ROW_FIELDS)
+_SITE_SPEC: dict[str, str] = {
+    "position": "int",
+    "requests": "int",
+    "tokens": "int",
+    "example": "int",
+    "partner": "int",
+    "before": "str",
+    "this": "str",
+    "other": "str",
+}
+assert set(_SITE_SPEC) == set(DivergenceSite.__dataclass_fields__)
 
 
 class _Reader:
@@ -266,6 +307,10 @@ class _Reader:
                 raise self.fail(f"record.{key}", f"expected a list, got {type(raw.get(key)).__name__}")
         runs = tuple(self.run(r, f"runs[{k}]", version) for k, r in enumerate(raw["runs"]))
         self.totals(raw["totals"], runs)
+        sites = raw.get("divergences", [])
+        if not isinstance(sites, list):
+            raise self.fail("record.divergences", f"expected a list, got {type(sites).__name__}")
+        divergences = tuple(self.site(d, f"divergences[{k}]") for k, d in enumerate(sites))
         source = raw.get("source")
         return RunRecord(
             command,
@@ -274,7 +319,13 @@ class _Reader:
             runs,
             self.flag(raw, "record"),
             str(raw.get("created", "?")),
+            divergences,
         )
+
+    def site(self, raw: Any, where: str) -> DivergenceSite:
+        if not isinstance(raw, dict):
+            raise self.fail(where, f"expected an object, got {type(raw).__name__}")
+        return DivergenceSite(**{key: self.get(raw, key, where, kind) for key, kind in _SITE_SPEC.items()})
 
 
 _MISSING: Any = object()

@@ -1,4 +1,5 @@
-"""The report of a run record: a summary table (one column per capacity), plots, settings.
+"""The report of a run record: a summary table (one column per capacity), why prefill was not saved
+(``causes_report``), plots, settings.
 
 Plots (matplotlib, Agg): hit rate over the run, cumulative prefill tokens saved, TTFT cached vs uncached
 (replays with timings), and hit rate against capacity (sweeps). Nothing here changes the record.
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.reports import format as fmt
+from prefixcache.reports.causes_report import section as causes_section
 from prefixcache.reports.document import Document, Figure, Section, Table
 from prefixcache.reports.plots import new_figure, png
 from prefixcache.reports.record import RunRecord
@@ -27,7 +29,7 @@ def capacity_label(t: Totals) -> str:
 
 
 SUMMARY_ROWS: list[tuple[str, Callable[[Totals], str]]] = [
-    ("pool blocks", lambda t: fmt.integer(t["pool_blocks"])),
+    ("pool blocks", lambda t: "unlimited" if t["capacity_blocks"] is None else fmt.integer(t["pool_blocks"])),
     ("requests", lambda t: fmt.integer(t["requests"])),
     ("prompt tokens", lambda t: fmt.integer(t["prompt_tokens"])),
     ("cached tokens", lambda t: fmt.integer(t["cached_tokens"])),
@@ -206,6 +208,9 @@ def document(record: RunRecord) -> Document:
         doc.warning = "This run was interrupted: the figures cover the requests served so far."
     summary_table = summary(record)
     doc.sections.append(Section("", [Table(summary_table.header, summary_table.rows)]))
+    why = causes_section(record)
+    if why is not None:
+        doc.sections.append(why)
     doc.sections += [Section(f.caption, [f]) for f in figures(record)]
     doc.sections.append(
         Section("Settings", [Table(["setting", "value"], [[k, str(v)] for k, v in record.settings.items()])])

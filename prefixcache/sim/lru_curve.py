@@ -3,18 +3,10 @@
 It answers "what would a PrefixCache of C blocks, fed these requests through match_keys / commit_keys /
 release, have hit?" for every C at once, without replaying the trace once per capacity.
 
-**LRU, one pass.** In the core's LRU every block a request touches gets the request's timestamp; among equal
-timestamps deeper blocks go first (a leaf's tail is evicted first, and a parent is never older than its
-child). So the blocks form one recency *stack* ordered by (last request desc, depth asc), and a cache of C
-blocks holds exactly its top C entries at every capacity (it is prefix-closed: a parent sits above its
-children). A request's hit at capacity C is therefore the number of its blocks whose stack distance
-(0-based position before the request) is < C. Two facts make this cheap: along a request's path the last
-request that touched each block is non-increasing, and the blocks still "owned" by an earlier request t
-(touched last by t) are a contiguous depth range [start_t, len_t) of t's path. So a request's blocks split
-into a few *runs*, one per earlier request, and the distances inside a run are consecutive: the run's first
-block sits at ``sum(owned blocks of requests after t)``, read from a Fenwick tree over request indices.
-The work per request is a handful of numpy calls plus O(runs * log requests) Python steps, whatever its
-length.
+**LRU, one pass.** The blocks form one recency stack (``prefixcache.sim.lru_stack``): a cache of C blocks
+holds exactly its top C entries at every capacity, so a request's hit at capacity C is the number of its
+blocks whose stack distance (0-based position before the request) is < C. One pass over the trace gives
+every block's distance, hence the hits at every capacity.
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixcache.sim.lru_stack import LruStack
 from prefixcache.sim.node_trace import NodeTrace
 from prefixcache.sim.policy import measured_from
 
@@ -79,33 +72,6 @@ class HitCurve:
         return arr / total if total else np.zeros(len(arr))
 
 
-class _Fenwick:
-    """Prefix sums over request indices (a Fenwick tree in a Python list)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.tree = [0] * (n + 1)
-        self.total = 0
-
-    def add(self, i: int, delta: int) -> None:
-        self.total += delta
-        i += 1
-        tree, n = self.tree, self.n
-        while i <= n:
-            tree[i] += delta
-            i += i & -i
-
-    def prefix(self, i: int) -> int:
-        """Sum of entries 0..i."""
-        s = 0
-        i += 1
-        tree = self.tree
-        while i > 0:
-            s += tree[i]
-            i -= i & -i
-        return s
-
-
 def lru_curve(nt: NodeTrace, warmup: float = 0.0) -> HitCurve:
     """LRU hits at every capacity from 1 block to the working set, in one pass. Changes nothing.
 
@@ -115,9 +81,7 @@ def lru_curve(nt: NodeTrace, warmup: float = 0.0) -> HitCurve:
     n_req = len(nt)
     start_measure = measured_from(n_req, warmup)
     bs = nt.block_size
-    last = np.full(max(nt.num_nodes, 1), -1, dtype=np.int64)  # last request that touched each node
-    owned_start = [0] * n_req  # request t still owns depths [owned_start[t], len_t)
-    fen = _Fenwick(n_req)
+    stack = LruStack(nt.num_nodes, n_req)
     run_d: list[int] = []  # measured runs: first distance, length
     run_n: list[int] = []
     corr_d: list[int] = []  # token corrections: distance, weight - bs
@@ -126,38 +90,22 @@ def lru_curve(nt: NodeTrace, warmup: float = 0.0) -> HitCurve:
     nodes, offsets, lengths = nt.nodes, nt.offsets.tolist(), nt.input_length.tolist()
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
-        blk = nodes[a:b]
         L = b - a
-        prev = last[blk]
-        seen = int(np.count_nonzero(prev >= 0))  # a prefix: a seen block's parent was seen
-        runs: list[tuple[int, int, int]] = []  # (earlier request, first depth, stop depth)
-        if seen:
-            cuts = np.flatnonzero(prev[1:seen] != prev[: seen - 1]) + 1
-            bounds = [0, *cuts.tolist(), seen]
-            owners = prev[bounds[:-1]].tolist()
-            runs = [(owners[k], bounds[k], bounds[k + 1]) for k in range(len(owners))]
-        measure = i >= start_measure
-        if measure:
+        runs = stack.access(i, nodes[a:b])
+        if i >= start_measure:
             total_blocks += L
             total_tokens += lengths[i]
-            dists = []
-            for t, d0, d1 in runs:
-                dist = fen.total - fen.prefix(t) + (d0 - owned_start[t])
-                dists.append(dist)
+            seen = runs[-1][1] if runs else 0
+            for d0, d1, dist in runs:
                 run_d.append(dist)
                 run_n.append(d1 - d0)
             for j, w in _token_weights(lengths[i], L, bs):
                 if j >= seen or w == 0:
                     continue
-                for (_t, d0, d1), dist in zip(runs, dists):
+                for d0, d1, dist in runs:
                     if d0 <= j < d1:
                         corr_d.append(dist + (j - d0))
                         corr_w.append(w)
-        for t, d0, d1 in runs:
-            fen.add(t, -(d1 - d0))
-            owned_start[t] = d1
-        fen.add(i, L)
-        last[blk] = i
     W = nt.num_nodes
     diff = np.zeros(W + 1, dtype=np.int64)
     if run_d:

@@ -4,7 +4,9 @@ Every model-free caller goes through here: ``prefixcache simulate``, the policy 
 benchmarks, and anything later (a cluster of replicas drives several :class:`Replayer` s). Per request:
 the cache's clock moves to the request's timestamp (milliseconds -> seconds; requests without one keep
 the previous time), then ``match`` (or ``match_keys``), ``commit`` (or ``commit_keys``, with the policy's
-``keep_for``), ``release`` — see ``prefixcache.sim.requests`` for what is looked up and committed.
+``keep_for``), ``release`` — see ``prefixcache.sim.requests`` for what is looked up and committed. Each row
+also says why its uncached tokens missed (``prefixcache.sim.causes``: the workload's part is computed once
+and shared by every replay of it; a :class:`CauseTracker` follows this cache for the rest).
 """
 
 from __future__ import annotations
@@ -12,24 +14,31 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from prefixcache.core import CacheConfig, PrefixCache
+from prefixcache.sim.causes import CauseTracker, workload_causes
 from prefixcache.sim.policy import Capacity, ReplayPolicy
 from prefixcache.sim.requests import CacheRequests
-from prefixcache.sim.results import Row, RunResult
+from prefixcache.sim.results import NO_CAUSES, Row, RunResult
 
 OnRow = Callable[[Row, PrefixCache], None]  # the row just served, and the cache that served it
 OnStart = Callable[[Capacity, int], None]
 TIMESTAMP_UNIT_S = 1e-3  # request timestamps are milliseconds (Mooncake, kv-tester, scenarios)
+UNLIMITED_POOL_BLOCKS = 2**60  # an unlimited capacity: never full, and free (the core allocates lazily)
 
 
 class Replayer:
-    """One cache of ``pool_blocks`` blocks that serves ``reqs``' requests one at a time (``serve(i)``)."""
+    """One cache of ``pool_blocks`` blocks that serves ``reqs``' requests one at a time (``serve(i)``).
 
-    def __init__(self, reqs: CacheRequests, pool_blocks: int, policy: ReplayPolicy) -> None:
+    Rows carry miss causes while requests are served in order 0, 1, 2, ... (as :func:`replay` does); after a
+    request served out of order, the causes are None (the tracker would otherwise guess). ``causes=False``
+    leaves them out (None) for callers that never read them (plan's policy replays, benchmarks)."""
+
+    def __init__(self, reqs: CacheRequests, pool_blocks: int, policy: ReplayPolicy, *, causes: bool = True) -> None:
         self.reqs = reqs
         self.policy = policy
         self.now = 0.0  # the cache's clock, seconds of trace time
         config = CacheConfig(num_blocks=pool_blocks, block_size=reqs.block_size, eviction=policy.eviction)
         self.cache = PrefixCache(config, clock=self.clock)
+        self.causes = CauseTracker(workload_causes(reqs)) if causes else None
 
     def clock(self) -> float:
         """The time retention is measured on: the last served request's timestamp, in seconds."""
@@ -42,34 +51,43 @@ class Replayer:
         if ts is not None:
             self.now = ts * TIMESTAMP_UNIT_S
         ns = reqs.namespace[i]
-        evicted0 = cache.stats.blocks_evicted
-        keep_for = self.policy.keep_for
+        stats = cache.stats
+        evicted0 = stats.blocks_evicted
         if reqs.mode == "keys":
             m = cache.match_keys(reqs.request_keys(i), ns, num_tokens=reqs.prompt_tokens[i])
             try:
-                c = cache.commit_keys(m.handle, keep_for=keep_for)
+                c = cache.commit_keys(m.handle, keep_for=self.policy.keep_for)
             finally:
                 cache.release(m.handle)
         else:
             assert reqs.prompts is not None and reqs.commits is not None
             m = cache.match(reqs.prompts[i], ns)
             try:
-                c = cache.commit(m.handle, reqs.commits[i], keep_for=keep_for)
+                c = cache.commit(m.handle, reqs.commits[i], keep_for=self.policy.keep_for)
             finally:
                 cache.release(m.handle)
-        return Row(
-            i,
-            ns,
-            reqs.prompt_tokens[i],
-            m.cached_tokens,
-            reqs.lookup_blocks[i],
-            m.cached_blocks,
-            len(c.block_ids),
-            cache.stats.blocks_evicted - evicted0,
-            cache.num_cached_blocks,
-            warmup,
-            ts,
-            reqs.output_tokens[i],
+        causes = None if self.causes is None else self.causes.observe(i, m.cached_tokens, c)
+        return Row._make(
+            (
+                i,
+                ns,
+                reqs.prompt_tokens[i],
+                m.cached_tokens,
+                reqs.lookup_blocks[i],
+                m.cached_blocks,
+                c.cached_blocks - c.first_block,
+                stats.blocks_evicted - evicted0,
+                cache.num_cached_blocks,
+                warmup,
+                ts,
+                reqs.output_tokens[i],
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+            + (NO_CAUSES if causes is None else causes)
         )
 
 
@@ -80,19 +98,20 @@ def replay(
     *,
     pool_blocks: int | None = None,
     on_row: OnRow | None = None,
+    causes: bool = True,
 ) -> RunResult:
     """Replay every request of ``reqs`` in order through a fresh cache of ``capacity``.
 
-    ``pool_blocks`` overrides the pool of an unlimited capacity (default: ``reqs.max_inserted_blocks()``). A
-    finite capacity larger than everything the requests commit is served with a pool of that size instead
-    (it behaves identically: nothing is evicted either way).
-    A KeyboardInterrupt stops the replay; the rows so far come back with ``partial=True``.
+    An unlimited capacity is a pool of ``UNLIMITED_POOL_BLOCKS`` (the core allocates nothing up front, so
+    it costs only what is cached); ``pool_blocks`` overrides that.
+    A KeyboardInterrupt stops the replay; the rows so far come back with ``partial=True``. ``causes``: see
+    :class:`Replayer`.
     """
     if capacity.blocks is not None:
-        pool = min(capacity.blocks, reqs.block_refs())
+        pool = capacity.blocks
     else:
-        pool = pool_blocks if pool_blocks is not None else reqs.max_inserted_blocks()
-    rep = Replayer(reqs, pool, policy)
+        pool = pool_blocks if pool_blocks is not None else UNLIMITED_POOL_BLOCKS
+    rep = Replayer(reqs, pool, policy, causes=causes)
     first = policy.measured_from(len(reqs))
     rows: list[Row] = []
     partial = False
@@ -114,16 +133,15 @@ def simulate(
     *,
     on_start: OnStart | None = None,
     on_row: OnRow | None = None,
+    causes: bool = True,
 ) -> list[RunResult]:
-    """One replay per capacity (a sweep), in the given order; stops after a replay that was interrupted."""
-    unlimited_pool: int | None = None
+    """One replay per capacity (a sweep), in the given order; stops after a replay that was interrupted. The
+    workload's part of the miss causes is computed once, for every capacity (``causes``: see :class:`Replayer`)."""
     results = []
     for cap in capacities:
-        if cap.blocks is None and unlimited_pool is None:
-            unlimited_pool = reqs.max_inserted_blocks()
         if on_start is not None:
             on_start(cap, len(reqs))
-        r = replay(reqs, cap, policy, pool_blocks=unlimited_pool, on_row=on_row)
+        r = replay(reqs, cap, policy, on_row=on_row, causes=causes)
         results.append(r)
         if r.partial:
             break

@@ -16,6 +16,7 @@ Rendering once makes a capacity sweep cheap and gives the exact number of blocks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from prefixcache.core.hashing import as_token_array
 from prefixcache.workload.render import ByteRenderer, Conversations, Renderer, synthetic_reply
 from prefixcache.workload.scenario import Scenario
 from prefixcache.workload.trace import Trace
+
+if TYPE_CHECKING:
+    from prefixcache.sim.node_trace import NodeTrace
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class CacheRequests:
     prompts: list[np.ndarray] | None = field(default=None, repr=False)  # tokens mode: int32 prompt ids
     commits: list[np.ndarray] | None = field(default=None, repr=False)  # tokens mode: int32 ids to commit
     trace: Trace | None = field(default=None, repr=False)  # keys mode: the trace itself
+    text: bool = False  # tokens mode: every prompt is text or chat rendered by the byte renderer (decodable)
+    memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # derived data, made once
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
@@ -51,24 +57,24 @@ class CacheRequests:
         assert self.keys is not None and self.offsets is not None
         return self.keys[self.offsets[i] : self.offsets[i + 1]].tolist()  # type: ignore[no-any-return]
 
-    def block_refs(self) -> int:
-        """Blocks the requests commit, counted with repeats: a cheap bound on what a replay can insert."""
-        if self.mode == "keys":
-            assert self.offsets is not None
-            return max(1, self.offsets[-1])
-        assert self.commits is not None
-        return max(1, sum(len(c) for c in self.commits) // self.block_size)
-
     def max_inserted_blocks(self) -> int:
-        """An upper bound on the blocks a replay can ever hold: the pool size at which nothing is evicted."""
+        """The blocks a replay can ever hold: the smallest pool at which nothing is evicted (keys mode: the
+        distinct blocks; tokens mode: every committed full block, an upper bound)."""
         if self.mode == "keys":
-            assert self.trace is not None
-            from prefixcache.sim.node_trace import canonical_blocks  # late: only needed here
-
-            return max(1, canonical_blocks(self.trace).num_nodes)
+            return max(1, self.node_trace().num_nodes)
         assert self.commits is not None
         bs = self.block_size
         return max(1, sum(len(c) // bs for c in self.commits))
+
+    def node_trace(self) -> NodeTrace:
+        """Keys mode: the trace's blocks as dense tree-node ids (made once, then kept in ``memo``)."""
+        nt = self.memo.get("node_trace")
+        if nt is None:
+            assert self.trace is not None
+            from prefixcache.sim.node_trace import canonical_blocks  # late: only needed here
+
+            nt = self.memo["node_trace"] = canonical_blocks(self.trace)
+        return nt
 
 
 def from_trace(trace: Trace) -> CacheRequests:
@@ -122,4 +128,5 @@ def from_scenario(scenario: Scenario, block_size: int, renderer: Renderer | None
         output_tokens=outputs,
         prompts=prompts,
         commits=commits,
+        text=all(r.tokens is None for r in scenario.requests) and isinstance(renderer, ByteRenderer),
     )

@@ -34,9 +34,28 @@ class Row(NamedTuple):
     ttft_uncached_s: float | None = None
     total_uncached_s: float | None = None
     outputs_match: bool | None = None
+    # why the uncached tokens missed (prefixcache.sim.causes; None: not analysed): they sum to prompt - cached
+    cold_tokens: int | None = None
+    evicted_tokens: int | None = None
+    diverged_tokens: int | None = None
+    partial_block_tokens: int | None = None
+    namespace_tokens: int | None = None
+    not_cached_tokens: int | None = None
+    reuse_blocks: int | None = None  # LRU capacity (blocks) that would have kept every evicted block
+    shared_tokens: int | None = None  # the longest common prefix with any earlier request's sequence
+    shared_with: int | None = None  # that earlier request
 
 
 ROW_FIELDS: tuple[str, ...] = Row._fields
+CAUSE_FIELDS: dict[str, str] = {  # cause -> its Row field, in the order of prefixcache.sim.causes.CAUSES
+    "cold": "cold_tokens",
+    "evicted": "evicted_tokens",
+    "diverged": "diverged_tokens",
+    "partial_block": "partial_block_tokens",
+    "namespace": "namespace_tokens",
+    "not_cached": "not_cached_tokens",
+}
+NO_CAUSES: tuple[None, ...] = (None,) * 9  # the cause fields of a row that was not analysed
 
 
 @dataclass(frozen=True)
@@ -99,8 +118,13 @@ def totals(rows: Iterable[Row], capacity: Capacity, pool_blocks: int, block_size
         "inserted_blocks": sum(r.inserted_blocks for r in rows),
         "evicted_blocks": sum(r.evicted_blocks for r in rows),
         "peak_pool_blocks": peak,
-        "peak_pool_occupancy": peak / pool_blocks if pool_blocks else 0.0,
+        "peak_pool_occupancy": None if capacity.blocks is None else peak / pool_blocks,
     }
+    analysed = bool(rows) and all(r.cold_tokens is not None for r in rows)
+    t["uncached_tokens"] = prompt - cached
+    for f in CAUSE_FIELDS.values():
+        t[f] = sum(getattr(r, f) for r in rows) if analysed else None
+    t["partial_block_share"] = t["partial_block_tokens"] / prompt if analysed and prompt else None
     ttft_c = [r.ttft_cached_s for r in rows if r.ttft_cached_s is not None]
     ttft_u = [r.ttft_uncached_s for r in rows if r.ttft_uncached_s is not None]
     if ttft_c or ttft_u:

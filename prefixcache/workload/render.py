@@ -55,9 +55,21 @@ class ByteRenderer:
         out.append(SPECIAL_IDS["<|assistant|>"])
         return out
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Bytes back to text; special tokens are dropped."""
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: Sequence[int], *, specials: bool = False) -> str:
+        """Bytes back to text; special tokens are dropped, or written by name with ``specials``."""
+        if not specials:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            k = i - 256
+            out.append(SPECIAL_TOKENS[k] if k < len(SPECIAL_TOKENS) else f"<|{i}|>")
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
 
 def synthetic_reply(seed: int, index: int, length: int) -> str:

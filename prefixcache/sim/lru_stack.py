@@ -1,0 +1,101 @@
+"""The LRU recency stack of a prefix cache, request by request: the stack distance of every block a request
+finds on it, i.e. the smallest LRU capacity (in blocks) that would still hold that block.
+
+In the core's LRU every block a request touches (its whole committed path) gets the request's timestamp;
+among equal timestamps deeper blocks go first (a leaf's tail is evicted first, and a parent is never older
+than its child). So the blocks form one recency *stack* ordered by (last request desc, depth asc), and a
+cache of C blocks holds exactly its top C entries at every capacity (it is prefix-closed: a parent sits
+above its children). A block at (0-based) stack distance d is a hit at every capacity > d.
+
+Two facts make this cheap: along a request's path the last request that touched each block is
+non-increasing, and the blocks still "owned" by an earlier request t (touched last by t) are a contiguous
+depth range [start_t, len_t) of t's path. So a request's blocks split into a few *runs*, one per earlier
+request, and the distances inside a run are consecutive: the run's first block sits at
+``sum(owned blocks of requests after t)``, read from a Fenwick tree over request indices. The work per
+request is a handful of numpy calls plus O(runs * log requests) Python steps, whatever its length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Run = tuple[int, int, int]  # (first depth, stop depth, stack distance of the first block)
+SHORT = 128  # paths up to this many blocks find their runs in a Python loop
+
+
+class Fenwick:
+    """Prefix sums over request indices (a Fenwick tree in a Python list)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tree = [0] * (n + 1)
+        self.total = 0
+
+    def add(self, i: int, delta: int) -> None:
+        self.total += delta
+        i += 1
+        tree, n = self.tree, self.n
+        while i <= n:
+            tree[i] += delta
+            i += i & -i
+
+    def prefix(self, i: int) -> int:
+        """Sum of entries 0..i."""
+        s = 0
+        i += 1
+        tree = self.tree
+        while i > 0:
+            s += tree[i]
+            i -= i & -i
+        return s
+
+
+class LruStack:
+    """The stack of ``num_nodes`` possible blocks (dense node ids) touched by up to ``num_requests`` requests."""
+
+    def __init__(self, num_nodes: int, num_requests: int) -> None:
+        self.last = np.full(max(num_nodes, 1), -1, dtype=np.int64)  # last request that touched each node
+        self.owned_start = [0] * num_requests  # request t still owns depths [owned_start[t], len_t)
+        self.fen = Fenwick(num_requests)
+
+    def access(self, i: int, path: np.ndarray) -> list[Run]:
+        """Request ``i`` touches ``path`` (node ids, root first; requests come in increasing ``i``).
+
+        Returns the runs of the path's leading blocks that were on the stack before, each as (first depth,
+        stop depth, stack distance of its first block); inside a run the distances are consecutive. Changes
+        the stack: every block of ``path`` is now touched by ``i``.
+        """
+        prev = self.last[path]
+        if len(prev) <= SHORT:  # a Python loop beats a handful of numpy calls on short paths
+            bounds, owners = [], []
+            last = -2
+            seen = 0
+            for t in prev.tolist():
+                if t < 0:  # a prefix: a seen block's parent was seen
+                    break
+                if t != last:
+                    bounds.append(seen)
+                    owners.append(t)
+                    last = t
+                seen += 1
+            bounds.append(seen)
+        else:
+            seen = int(np.count_nonzero(prev >= 0))
+            if seen:
+                cuts = np.flatnonzero(prev[1:seen] != prev[: seen - 1]) + 1
+                bounds = [0, *cuts.tolist(), seen]
+                owners = prev[bounds[:-1]].tolist()
+        runs: list[Run] = []
+        if seen:
+            fen, owned = self.fen, self.owned_start
+            total = fen.total
+            for k, t in enumerate(owners):
+                d0, d1 = bounds[k], bounds[k + 1]
+                runs.append((d0, d1, total - fen.prefix(t) + (d0 - owned[t])))
+            for k, t in enumerate(owners):
+                d0, d1 = bounds[k], bounds[k + 1]
+                fen.add(t, d0 - d1)
+                owned[t] = d1
+        self.fen.add(i, len(path))
+        self.last[path] = i
+        return runs

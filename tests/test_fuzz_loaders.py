@@ -26,6 +26,7 @@ from prefixcache import cli
 from prefixcache.core.errors import InputError
 from prefixcache.reports.record import build_record, load_record, to_json
 from prefixcache.reports.run_report import summary
+from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.replay import simulate as run_simulation
 from prefixcache.sim.requests import from_scenario, from_trace
@@ -238,7 +239,16 @@ def _records() -> list[dict[str, Any]]:
     replayed = [RunResult(Capacity(4), 4, 16, timed), RunResult(Capacity(None), 9, 16, timed, partial=True)]
     return [
         to_json(build_record("simulate", "t.jsonl", {"warmup": 0.0, "capacities": ["a", "b"]}, sim)),
-        to_json(build_record("replay", "s.yaml", {"model": "tiny", "warmup": 0.2}, replayed, partial=True)),
+        to_json(
+            build_record(
+                "replay",
+                "s.yaml",
+                {"model": "tiny", "warmup": 0.2},
+                replayed,
+                partial=True,
+                divergences=[DivergenceSite(12, 2, 40, 3, 1, "shared [b]text", "this", "other")],
+            )
+        ),
     ]
 
 

@@ -49,6 +49,7 @@ def command_args(command: str, record: Path) -> list[str]:
         "simulate": ["simulate", str(SAMPLE), "--capacity-blocks", "50", "--no-progress"],
         "plan": ["plan", str(SAMPLE), "--points", "4", "--no-bound"],
         "report": ["report", str(record)],
+        "explain": ["explain", str(record)],
         "replay": [
             "replay",
             str(SCENARIOS / "shared_prompt.yaml"),
@@ -82,6 +83,8 @@ def check_content(option: str, data: bytes) -> None:
         d = json.loads(data)
         if "version" in d:  # a run record (simulate, replay, report)
             assert d["version"] == 2 and d["runs"] and len(d["totals"]) == len(d["runs"])
+        elif "command" in d:  # an explanation
+            assert d["source"] == str(SAMPLE) and d["runs"] and "causes" in d["runs"][0]
         else:  # a plan
             assert d["trace"] == str(SAMPLE) and d["requests"] == 200
     elif option == "--html":
@@ -96,11 +99,13 @@ def leftovers(folder: Path) -> list[str]:
 
 
 COMMANDS = ("simulate", "plan", "report")
+# every (command, output option) pair that is cheap to run (explain writes JSON only)
+PAIRS = [(c, o) for c in COMMANDS for o in OPTIONS] + [("explain", "--json")]
+JSON_LIKE = [(c, o) for c, o in PAIRS if o != "--markdown"]
 
 
 # ---- regular files ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("command, option", PAIRS)
 def test_regular_file_in_a_new_folder(tmp_path, record_file, command, option):
     out = tmp_path / "new" / "deeper" / ("out" + {"--json": ".json", "--html": ".html", "--markdown": ".md"}[option])
     r = invoke(*command_args(command, record_file), option, out)
@@ -156,8 +161,7 @@ def test_failed_save_leaves_no_temp_file_and_the_old_file_intact(tmp_path, monke
 
 
 # ---- symlinks, FIFOs, devices, stdout ---------------------------------------------------------------------
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("option", ["--json", "--html"])
+@pytest.mark.parametrize("command, option", JSON_LIKE)
 def test_symlink_is_followed(tmp_path, record_file, command, option):
     (tmp_path / "elsewhere").mkdir()
     target = tmp_path / "elsewhere" / "real.out"
@@ -191,8 +195,7 @@ def test_markdown_through_a_symlink_puts_its_plots_beside_the_link(tmp_path, rec
     assert pngs and all(f"({name})" in target.read_text() for name in pngs)
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("option", ["--json", "--html"])
+@pytest.mark.parametrize("command, option", JSON_LIKE)
 def test_fifo_is_written_in_place(tmp_path, record_file, command, option):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -212,13 +215,13 @@ def test_fifo_is_written_in_place(tmp_path, record_file, command, option):
     assert leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("option", ["--json", "--html"])
+@pytest.mark.parametrize("command, option", JSON_LIKE)
 def test_dash_is_stdout_and_holds_only_the_output(record_file, command, option):
     r = invoke(*command_args(command, record_file), option, "-")
     assert r.exit_code == 0, r.output
     check_content(option, r.stdout.encode())
-    assert "┘" in r.stderr and "written to standard output" in r.stderr  # the tables went to stderr
+    shown = "prefixcache explain" if command == "explain" else "┘"
+    assert shown in r.stderr and "written to standard output" in r.stderr  # the tables went to stderr
 
 
 def test_replay_json_to_stdout():
@@ -266,8 +269,7 @@ def _bad_places(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     }
 
 
-@pytest.mark.parametrize("command", [*COMMANDS, "replay"])
-@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("command, option", [*PAIRS, *(("replay", o) for o in OPTIONS)])
 @pytest.mark.parametrize("place", ["directory", "under a file", "deep under a file", "proc", "loop"])
 def test_unwritable_place_refused_before_any_work(tmp_path, record_file, monkeypatch, command, option, place):
     if place == "proc" and not Path("/proc/self").exists():

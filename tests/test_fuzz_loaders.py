@@ -39,7 +39,7 @@ MOONCAKE = (DATA / "mooncake_synthetic_3601_3800.jsonl").read_text().splitlines(
 KVTESTER = (DATA / "kvtester_sample.jsonl").read_text().splitlines()
 # PREFIXCACHE_FUZZ_EXAMPLES=2000 for a longer hunt; the default keeps the three tests to ~20 s here
 FUZZ = settings(
-    max_examples=int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "120")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -172,6 +172,7 @@ def test_fuzzed_traces(work, data):
         run_simulation(from_trace(trace), [Capacity(4)])
     cli_ok("simulate", path, "--no-progress", "--capacity-blocks", "4")
     cli_ok("plan", path, "--points", "4")
+    cli_ok("explain", path, "--no-progress", "--capacity-blocks", "4")
 
 
 # ---- scenarios --------------------------------------------------------------------------------------------
@@ -224,6 +225,7 @@ def test_fuzzed_scenarios(work, data):
     if scenario is not None:
         api_ok(from_scenario, scenario, 4)
     cli_ok("simulate", path, "--no-progress")
+    cli_ok("explain", path, "--no-progress")
     if scenario is not None and scenario.trace is not None:
         cli_ok("plan", path, "--points", "4", "--no-bound")
 
@@ -267,3 +269,4 @@ def test_fuzzed_run_records(work, records, data):
     if record is not None:
         summary(record)
     cli_ok("report", path)
+    cli_ok("explain", path)

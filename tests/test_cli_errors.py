@@ -405,6 +405,7 @@ def _interrupt(*args, **kwargs):
         ((options, "load_scenario"), ["simulate", SCENARIOS / "chat.yaml"]),
         ((options, "load_scenario"), ["replay", SCENARIOS / "chat.yaml"]),
         ((report, "load_record"), ["report", SAMPLE]),
+        ((options, "load_trace"), ["explain", SAMPLE]),
     ],
 )
 def test_ctrl_c_while_loading_exits_130_interrupted(monkeypatch, target, args):

@@ -156,10 +156,10 @@ def replay(
     forks: dict[int, Fork] = {}
     unl: int | None = None
     for cap in capacities:
-        if cap.blocks is None and unl is None:
+        if unl is None:
             unl = _estimate_unlimited(scenario, renderer, block_size)
-        nb = cap.blocks if cap.blocks is not None else unl
-        assert nb is not None
+        # the KV pool is allocated up front: a capacity above what the workload can fill gets the never-evicting size
+        nb = unl if cap.blocks is None else min(cap.blocks, unl)
         if on_start is not None:
             on_start(cap, len(scenario))
         pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size, eviction=eviction)

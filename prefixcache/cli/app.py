@@ -3,16 +3,57 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.20 carries its own copy of click; older versions use click itself
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 from prefixcache.cli import console
 from prefixcache.core.errors import InputError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+
+class OneLineErrors(TyperGroup):
+    """The app's click group: a usage error that click finds itself (an unknown option, a value of the wrong
+    type, a missing argument) prints one ``error:`` line, like every other user error, instead of a panel."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as exc:  # the help was printed
+            sys.exit(exc.exit_code)
+        except click_errors.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            _fail(exc.format_message().rstrip(".") + hint, exc.exit_code)
+        except click_errors.ClickException as exc:
+            _fail(exc.format_message(), exc.exit_code)
+        except typer.Abort:
+            _fail("aborted", 1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    console.error(" ".join(message.split()))
+    sys.exit(code)
+
 
 app = typer.Typer(
     name="prefixcache",
@@ -27,6 +68,7 @@ app = typer.Typer(
     "  prefixcache report run.json --html run.html --markdown run.md",
     no_args_is_help=True,
     add_completion=False,
+    cls=OneLineErrors,
     pretty_exceptions_show_locals=False,
 )
 

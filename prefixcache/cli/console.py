@@ -7,15 +7,19 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from prefixcache.core.errors import InputError
 
 console = Console()
 err_console = Console(stderr=True)
 
 
 def error(message: str) -> None:
-    """Print a user-facing error (no traceback) to stderr."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
+    """Print a user-facing error (no traceback) to stderr, on one line."""
+    one_line = " ".join(message.splitlines())
+    err_console.print(f"[bold red]error:[/] {escape(one_line)}", highlight=False, soft_wrap=True, markup=True)
 
 
 def info(message: str) -> None:
@@ -23,9 +27,17 @@ def info(message: str) -> None:
     err_console.print(message, highlight=False, soft_wrap=True, markup=False)
 
 
-def show(renderable: Any) -> None:
-    """Print a result (a rich Table, plain text: no markup) to stdout."""
-    console.print(renderable, markup=False, highlight=False)
+def show(renderable: Any, *, to_stderr: bool = False) -> None:
+    """Print a result (a rich Table, plain text: no markup) to stdout, or to stderr when stdout carries an
+    output file.
+
+    Raises InputError when stdout cannot be written (e.g. a full disk); a closed pipe propagates."""
+    try:
+        (err_console if to_stderr else console).print(renderable, markup=False, highlight=False)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise InputError(f"cannot write to standard output: {exc.strerror or exc}") from None
 
 
 class RunProgress:

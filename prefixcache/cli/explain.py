@@ -158,9 +158,8 @@ def explain(
         shown += _request(record, request, fork)
     else:
         shown += _run(record, top)
-    if json_out is None or str(json_out) != "-":  # else stdout carries the JSON alone
-        for part in shown:
-            console.show(part)
+    for part in shown:
+        console.show(part, to_stderr=opt.stdout_taken(json_out))  # stdout carries the JSON alone
     if json_out is not None:
         where = write_output(json_out, json.dumps(out, indent=1) + "\n")
         console.info(f"explanation written to {where}")

@@ -6,6 +6,7 @@ UsageError (one line, exit 2) for a bad value.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +15,7 @@ import typer
 
 from prefixcache.cli.app import UsageError
 from prefixcache.core import POLICIES
-from prefixcache.reports.output import check_output
+from prefixcache.reports.output import STDOUT, check_output
 from prefixcache.sim.policy import DEFAULT_BLOCK_SIZE, Capacity, ReplayPolicy
 from prefixcache.workload.order import ORDERS, ordered
 from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
@@ -51,9 +52,13 @@ OrderOpt = Annotated[str, typer.Option("--order", help="Request order: 'file', o
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the results as JSON to this file ('-': stdout).")]
 HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report ('-': stdout).")]
 MarkdownOpt = Annotated[
-    Path | None, typer.Option("--markdown", help="Write a Markdown report (plots as PNG files beside it).")
+    Path | None,
+    typer.Option("--markdown", help="Write a Markdown report to this file, its plots as PNG files beside it."),
 ]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
+
+
+RECORD_INT_LIMIT = 2**63  # a run record stores sizes as 64-bit integers
 
 
 def replay_policy(eviction: str, keep_for: float | None, warmup: float) -> ReplayPolicy:
@@ -70,6 +75,8 @@ def replay_policy(eviction: str, keep_for: float | None, warmup: float) -> Repla
 def check_block_size(block_size: int | None) -> None:
     if block_size is not None and block_size <= 0:
         raise UsageError(f"--block-size must be > 0, got {block_size}")
+    if block_size is not None and block_size >= RECORD_INT_LIMIT:
+        raise UsageError(f"--block-size {block_size:,} is too large (at most 2**63 - 1)")
 
 
 def check_order(order: str) -> None:
@@ -78,12 +85,27 @@ def check_order(order: str) -> None:
 
 
 def check_outputs(json_out: Path | None, html: Path | None, markdown: Path | None) -> None:
-    """Refuse unwritable output paths before any work (InputError names the path)."""
-    for path in (json_out, html):
-        if path is not None:
-            check_output(path)
-    if markdown is not None:
-        check_output(markdown, allow_stdout=False)
+    """Refuse unwritable output paths before any work (InputError names the path), and two options naming
+    the same file or both standard output (UsageError)."""
+    named = {"--json": json_out, "--html": html, "--markdown": markdown}
+    given = {option: path for option, path in named.items() if path is not None}
+    for option, path in given.items():
+        check_output(path, files_beside=option == "--markdown")
+    seen: dict[str, str] = {}
+    for option, path in given.items():
+        key = STDOUT if str(path) == STDOUT else os.path.realpath(path)
+        if os.path.exists(key) and not os.path.isfile(key):  # a device or a FIFO takes several writes
+            continue
+        if key in seen:
+            where = "standard output" if key == STDOUT else str(path)
+            raise UsageError(f"{seen[key]} and {option} both write to {where}; give each its own file")
+        seen[key] = option
+
+
+def stdout_taken(*outputs: Path | None) -> bool:
+    """Whether one of the outputs is standard output; then a command shows its tables on stderr, so that
+    stdout holds that output alone (``--json - | jq``)."""
+    return any(p is not None and str(p) == STDOUT for p in outputs)
 
 
 def load_workload(path: Path, block_size: int | None, order: str) -> Scenario:
@@ -126,4 +148,7 @@ def capacities(
             caps = [Capacity.from_tokens(c, block_size) for c in scenario.capacity] or [Capacity(None)]
         except ValueError as exc:
             raise UsageError(f"{scenario.path}: {exc}") from None
+    too_big = next((c for c in caps if c.blocks is not None and c.blocks >= RECORD_INT_LIMIT), None)
+    if too_big is not None:
+        raise UsageError(f"capacity {too_big.blocks:,} blocks is too large (at most 2**63 - 1); use 'unlimited'")
     return sorted(dict.fromkeys(caps), key=Capacity.sort_key)

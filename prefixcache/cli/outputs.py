@@ -6,6 +6,7 @@ from pathlib import Path
 
 from prefixcache.cli import console
 from prefixcache.cli.app import interrupted
+from prefixcache.cli.options import stdout_taken
 from prefixcache.reports.document import rich_table, write_html, write_markdown
 from prefixcache.reports.record import RunRecord, save_record
 from prefixcache.reports.run_report import document, summary
@@ -17,7 +18,7 @@ def write_run(
     """Print the summary and write the requested files. A run this command just made that was interrupted
     exits 130 after writing (``rendering``: the record was loaded, not made, so it never does)."""
     if record.runs:
-        console.show(rich_table(summary(record)))
+        console.show(rich_table(summary(record)), to_stderr=stdout_taken(json_out, html, markdown))
     else:
         console.info(f"{record.source}: the run holds no requests")
     if json_out is not None:

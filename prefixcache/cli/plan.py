@@ -107,8 +107,9 @@ def plan(
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    console.show(curve_table(result))
-    console.show(answer_table(result))
+    to_stderr = opt.stdout_taken(json_out, html, markdown)
+    console.show(curve_table(result), to_stderr=to_stderr)
+    console.show(answer_table(result), to_stderr=to_stderr)
     console.info("time: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.seconds.items()))
     if json_out is not None:
         console.info(f"JSON written to {write_json(result, json_out)}")

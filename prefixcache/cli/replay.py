@@ -46,7 +46,9 @@ def replay(
         int | None, typer.Option("--max-requests", help="Replay only the first N requests.")
     ] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 (default), bfloat16, float16.")] = None,
-    device: Annotated[str | None, typer.Option("--device", help="cpu (default), cuda, ...")] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cpu (default), cuda, cuda:1, ... (checked before anything loads).")
+    ] = None,
     json_out: opt.JsonOpt = None,
     html: opt.HtmlOpt = None,
     markdown: opt.MarkdownOpt = None,
@@ -62,6 +64,18 @@ def replay(
     if max_requests is not None and max_requests <= 0:
         raise UsageError(f"--max-requests must be > 0, got {max_requests}")
     opt.check_outputs(json_out, html, markdown)
+    try:
+        from engine.device import usable_device
+        from engine.replay import ReplayError
+        from engine.replay import replay as run_replay
+    except ImportError as exc:
+        raise UsageError(
+            f"replay needs the model side (torch, transformers): pip install 'prefixcache[hf]' ({exc})"
+        ) from None
+    try:
+        device = usable_device(device)  # before loading anything: a missing GPU is found at once
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
     scenario = opt.load_workload(scenario_path, None, "file")
     if scenario.trace is not None:
         raise UsageError(
@@ -72,13 +86,6 @@ def replay(
     bs = opt.block_size_of(scenario, block_size)
     caps = opt.capacities(capacity, capacity_blocks, bs, scenario)
     model_name = model or scenario.model or "tiny"
-    try:
-        from engine.replay import ReplayError
-        from engine.replay import replay as run_replay
-    except ImportError as exc:
-        raise UsageError(
-            f"replay needs the model side (torch, transformers): pip install 'prefixcache[hf]' ({exc})"
-        ) from None
     settings = {
         "source": str(scenario_path),
         "model": model_name,
@@ -89,7 +96,7 @@ def replay(
         "baseline": baseline,
         "capacities": [c.label(bs) for c in caps],
         "dtype": dtype or "float32",
-        "device": device or "cpu",
+        "device": device,
     }
     results: list[RunResult] = []
     sites: list[DivergenceSite] = []

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from prefixcache.reports.output import write_output
+from prefixcache.reports.output import check_output, write_output
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:62em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.3em .7em}
@@ -149,7 +149,9 @@ def write_html(doc: Document, path: str | Path) -> str:
 def write_markdown(doc: Document, path: str | Path) -> list[str]:
     """Write the document as Markdown to ``path`` and its figures as PNG files beside it (``STEM_<figure>.png``).
 
-    Returns the files written, the Markdown first."""
+    Returns the files written, the Markdown first. Refuses ("-" and devices included) with InputError a path
+    that cannot take files beside it, before writing anything."""
+    check_output(path, files_beside=True)
     path = Path(path)
     names = {f.stem: f"{path.stem}_{f.stem}.png" for f in doc.figures()}
     images = [write_output(path.with_name(names[f.stem]), f.png) for f in doc.figures()]

@@ -27,14 +27,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixcache.core.errors import InputError
+from prefixcache.core.errors import InputError, shown
 from prefixcache.reports.output import write_output
 from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.results import ROW_FIELDS, Row, RunResult
+from prefixcache.workload.files import input_file, read_text
 
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
+MAX_RECORD_BYTES = 2**33  # 8 GiB: a bound for a pipe that never ends, far above any real record
 TOP_SITES = 50  # divergence points a record keeps
 
 
@@ -117,19 +119,20 @@ def save_record(record: RunRecord, path: str | Path) -> str:
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 2**63  # NaN and inf fail too
 
 
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "int": ("an integer", _is_int),
+    "int": ("an integer >= 0", _is_count),
     "str": ("a string", lambda v: isinstance(v, str)),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "num": ("a number", _is_num),
+    "num": ("a finite number", _is_num),
+    "seconds": ("a finite number >= 0", lambda v: _is_num(v) and v >= 0),
 }
 # field -> (kind, may be null)
 _ROW_SPEC: dict[str, tuple[str, bool]] = {
@@ -145,10 +148,10 @@ _ROW_SPEC: dict[str, tuple[str, bool]] = {
     "warmup": ("bool", False),
     "timestamp": ("num", True),
     "output_tokens": ("int", True),
-    "ttft_cached_s": ("num", True),
-    "total_cached_s": ("num", True),
-    "ttft_uncached_s": ("num", True),
-    "total_uncached_s": ("num", True),
+    "ttft_cached_s": ("seconds", True),
+    "total_cached_s": ("seconds", True),
+    "ttft_uncached_s": ("seconds", True),
+    "total_uncached_s": ("seconds", True),
     "outputs_match": ("bool", True),
     "cold_tokens": ("int", True),
     "evicted_tokens": ("int", True),
@@ -160,6 +163,10 @@ _ROW_SPEC: dict[str, tuple[str, bool]] = {
     "shared_tokens": ("int", True),
     "shared_with": ("int", True),
 }
+# (part, whole): a row's part can never exceed its whole
+_ROW_BOUNDS = (("cached_tokens", "prompt_tokens"), ("hit_blocks", "blocks"))
+# totals fields checked against the rows (the rest are derived and recomputed on load)
+_TOTALS_CHECKED = ("requests", "prompt_tokens", "cached_tokens")
 _ROW_DEFAULTS = Row._field_defaults
 assert set(_ROW_SPEC) == set(ROW_FIELDS)
 _SITE_SPEC: dict[str, str] = {
@@ -190,7 +197,7 @@ class _Reader:
         v = d[key]
         what, ok = _KINDS[kind]
         if not (ok(v) or (nullable and v is None)):
-            raise self.fail(f"{where}.{key}", f"expected {what}{' or null' if nullable else ''}, got {v!r:.60}")
+            raise self.fail(f"{where}.{key}", f"expected {what}{' or null' if nullable else ''}, got {shown(v)}")
         return v
 
     def rows(self, raw: Any, where: str, version: int) -> tuple[Row, ...]:
@@ -228,12 +235,18 @@ class _Reader:
             what, ok = _KINDS[kind]
             for i, v in enumerate(col):
                 if not (ok(v) or (nullable and v is None)):
-                    shown = "missing" if v is _MISSING else repr(v)[:60]
+                    got = "missing" if v is _MISSING else shown(v)
                     raise self.fail(
-                        f"{where}.{name}[{i}]", f"expected {what}{' or null' if nullable else ''}, got {shown}"
+                        f"{where}.{name}[{i}]", f"expected {what}{' or null' if nullable else ''}, got {got}"
                     )
             columns.append(col)
-        return tuple(Row(*values) for values in zip(*columns))
+        rows = tuple(Row(*values) for values in zip(*columns))
+        for part, whole in _ROW_BOUNDS:
+            bad = next((k for k, r in enumerate(rows) if getattr(r, part) > getattr(r, whole)), None)
+            if bad is not None:
+                p, w = getattr(rows[bad], part), getattr(rows[bad], whole)
+                raise self.fail(f"{where}.{part}[{bad}]", f"{p} is more than {whole} {w}")
+        return rows
 
     def run(self, raw: Any, where: str, version: int) -> RunResult:
         if not isinstance(raw, dict):
@@ -245,31 +258,55 @@ class _Reader:
         if bs < 1:
             raise self.fail(f"{where}.block_size", f"must be >= 1, got {bs}")
         pool = self.get(raw, "pool_blocks", where, "int") if "pool_blocks" in raw or blocks is None else blocks
-        partial = bool(raw.get("partial", False))
+        if pool < 1:
+            raise self.fail(f"{where}.pool_blocks", f"must be >= 1, got {pool}")
+        partial = self.flag(raw, where)
         rows = self.rows(raw.get("rows"), f"{where}.rows", version)
         return RunResult(Capacity(blocks), pool, bs, rows, partial)
+
+    def flag(self, d: dict[str, Any], where: str) -> bool:
+        """The optional ``partial`` flag (default false)."""
+        return "partial" in d and bool(self.get(d, "partial", where, "bool"))
+
+    def totals(self, raw: Any, runs: tuple[RunResult, ...]) -> None:
+        """Check the written totals: one object per run, agreeing with the rows on the counts."""
+        if len(raw) != len(runs):
+            raise self.fail("record.totals", f"has {len(raw)} entries, the runs {len(runs)}")
+        for k, (t, run) in enumerate(zip(raw, runs)):
+            where = f"totals[{k}]"
+            if not isinstance(t, dict):
+                raise self.fail(where, f"expected an object, got {type(t).__name__}")
+            derived = run.totals()
+            for key in _TOTALS_CHECKED:
+                v = self.get(t, key, where, "int")
+                if v != derived[key]:
+                    raise self.fail(f"{where}.{key}", f"is {v} but runs[{k}].rows give {derived[key]}")
+
+    def settings(self, raw: Any) -> dict[str, Any]:
+        """The settings object; the values a report formats are checked."""
+        if not isinstance(raw, dict):
+            raise self.fail("record.settings", f"expected an object, got {type(raw).__name__}")
+        if "warmup" in raw:
+            self.get(raw, "warmup", "record.settings", "seconds")
+        return raw
 
     def record(self, raw: Any) -> RunRecord:
         if not isinstance(raw, dict) or "version" not in raw:
             raise InputError("not a prefixcache run record (no 'version')", self.path)
-        if raw["version"] not in READABLE_VERSIONS:
+        if not _is_count(raw["version"]) or raw["version"] not in READABLE_VERSIONS:
             raise InputError(
-                f"run record version {raw['version']!r} is not supported (this reads versions "
+                f"run record version {shown(raw['version'])} is not supported (this reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))})",
                 self.path,
             )
         version = raw["version"]
         command = self.get(raw, "command", "record", "str")
-        settings = raw.get("settings")
-        if not isinstance(settings, dict):
-            raise self.fail("record.settings", f"expected an object, got {type(settings).__name__}")
+        settings = self.settings(raw.get("settings"))
         for key in ("totals", "runs"):
             if not isinstance(raw.get(key), list):
                 raise self.fail(f"record.{key}", f"expected a list, got {type(raw.get(key)).__name__}")
-        for k, t in enumerate(raw["totals"]):
-            if not isinstance(t, dict):
-                raise self.fail(f"totals[{k}]", f"expected an object, got {type(t).__name__}")
         runs = tuple(self.run(r, f"runs[{k}]", version) for k, r in enumerate(raw["runs"]))
+        self.totals(raw["totals"], runs)
         sites = raw.get("divergences", [])
         if not isinstance(sites, list):
             raise self.fail("record.divergences", f"expected a list, got {type(sites).__name__}")
@@ -280,7 +317,7 @@ class _Reader:
             "" if source is None else str(source),
             settings,
             runs,
-            bool(raw.get("partial", False)),
+            self.flag(raw, "record"),
             str(raw.get("created", "?")),
             divergences,
         )
@@ -296,15 +333,14 @@ _MISSING: Any = object()
 
 def load_record(path: str | Path) -> RunRecord:
     """Read and check a run record. Raises InputError naming the file and the field (or line, for bad JSON)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError("no such run record", path)
+    path = input_file(path, "run record")
+    text = read_text(path, "run record", MAX_RECORD_BYTES)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"not valid JSON ({exc.msg}, column {exc.colno})", path, exc.lineno) from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise InputError(f"not valid JSON ({exc})", path) from None
     except RecursionError:
         raise InputError("not a run record (JSON nested too deeply)", path) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {exc}", path) from None
     return _Reader(path).record(raw)

@@ -85,6 +85,8 @@ def from_config(path: str | Path, dtype: str | None = None) -> KVShape:
         raise ValueError(f"{path}: cannot read model config: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except (ValueError, RecursionError) as exc:  # a 5000-digit integer; nesting too deep
+        raise ValueError(f"{path}: not a model config ({type(exc).__name__})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a JSON object")
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
@@ -93,14 +95,20 @@ def from_config(path: str | Path, dtype: str | None = None) -> KVShape:
     def need(key: str) -> Any:
         if key not in cfg:
             raise ValueError(f"{path}: missing {key!r} (needed for the KV size)")
-        return cfg[key]
+        return number(key)
+
+    def number(key: str) -> int | None:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{path}: {key} must be a positive integer, got {v!r:.60}")
+        return v
 
     layers = need("num_hidden_layers")
-    heads = cfg.get("num_attention_heads")
-    kv_heads = cfg.get("num_key_value_heads") or heads
+    heads = number("num_attention_heads")
+    kv_heads = number("num_key_value_heads") or heads
     if kv_heads is None:
         raise ValueError(f"{path}: missing 'num_key_value_heads' and 'num_attention_heads'")
-    head_dim = cfg.get("head_dim")
+    head_dim = number("head_dim")
     if head_dim is None:
         hidden = need("hidden_size")
         if not heads:
@@ -109,9 +117,9 @@ def from_config(path: str | Path, dtype: str | None = None) -> KVShape:
     file_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     return KVShape(
         path.parent.name or path.name,
-        int(layers),
-        int(kv_heads),
-        int(head_dim),
+        layers,
+        kv_heads,
+        head_dim,
         normalize_dtype(dtype or str(file_dtype)),
     )
 
@@ -147,6 +155,8 @@ def resolve_model(
             raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
         return from_config(path, dtype)
     if all(n is None for n in numbers):
+        if dtype is not None:
+            raise ValueError(f"dtype {dtype!r} needs a model: give a preset, a config.json or the numbers")
         return None
     if any(n is None for n in numbers):
         raise ValueError("--layers, --kv-heads and --head-dim must be given together")

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from prefixcache.core import DEFAULT_NAMESPACE
-from prefixcache.workload.requests import Message, ScenarioRequest
+from prefixcache.core.errors import shown
+from prefixcache.workload.requests import MAX_REQUESTS, MAX_TOKENS, Message, ScenarioRequest, finite_number
+from prefixcache.workload.yaml_lines import YamlContext, pos_int
 
 _LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
 
@@ -229,35 +231,36 @@ def generate(shape: str, seed: int = 0, **params: Any) -> list[ScenarioRequest]:
         default = sig.parameters[k].default
         if isinstance(default, bool):
             if not isinstance(v, bool):
-                raise ValueError(f"{k} must be true or false, got {v!r}")
-        elif isinstance(default, int) and k != "max_new_tokens":
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k.endswith("_tokens") else 1):
-                raise ValueError(f"{k} must be a positive integer, got {v!r}")
+                raise ValueError(f"{k} must be true or false, got {shown(v)}")
+        elif isinstance(default, int) or k == "max_new_tokens":  # counts and lengths
+            lo = 0 if k.endswith("_tokens") and k != "max_new_tokens" else 1
+            hi = MAX_TOKENS if k.endswith("_tokens") else MAX_REQUESTS
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{k} must be an integer in [{lo}, {hi:,}], got {shown(v)}")
         elif isinstance(default, float):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"{k} must be a positive number, got {v!r}")
-        elif k == "max_new_tokens":
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{k} must be a positive integer, got {v!r}")
+            if not finite_number(v) or v <= 0:
+                raise ValueError(f"{k} must be a positive number, got {shown(v)}")
         elif isinstance(default, str) and (not isinstance(v, str) or not v):
-            raise ValueError(f"{k} must be a non-empty string, got {v!r}")
+            raise ValueError(f"{k} must be a non-empty string, got {shown(v)}")
     return fn(np.random.default_rng(seed), **params)
 
 
-def run_generators(spec: Any, seed: int, ctx: Any) -> list[ScenarioRequest]:
+def run_generators(spec: Any, seed: int, ctx: YamlContext) -> list[ScenarioRequest]:
     """Expand a scenario's ``generate:`` value (one mapping or a list of them, each with ``shape``).
 
-    ``ctx`` (trace._Ctx) turns problems into InputError with the file and line."""
+    ``ctx`` turns problems into InputError with the file and line."""
     specs = spec if isinstance(spec, list) else [spec]
     out: list[ScenarioRequest] = []
     for k, s in enumerate(specs):
         line = ctx.line_of(s)
-        if not isinstance(s, dict) or "shape" not in s:
+        if not isinstance(s, dict) or not isinstance(s.get("shape"), str):
             raise ctx.fail(f"generate entry {k + 1} must be a mapping with a 'shape' ({', '.join(GENERATORS)})", line)
-        params = {key: v for key, v in s.items() if key not in ("shape", "seed")}
+        params = {str(key): v for key, v in s.items() if key not in ("shape", "seed")}
+        spec_seed = pos_int(ctx, s.get("seed", seed + k), "seed", ctx.line_of(s, "seed"), minimum=0)
         try:
-            out.extend(generate(str(s["shape"]), seed=int(s.get("seed", seed + k)), **params))
+            out.extend(generate(s["shape"], seed=spec_seed, **params))
         except ValueError as exc:
-            bad = next((key for key in params if repr(key) in str(exc)), None)
+            msg = str(exc)
+            bad = next((key for key in params if repr(key) in msg or msg.startswith(f"{key} ")), None)
             raise ctx.fail(str(exc), ctx.line_of(s, bad) if bad else line) from None
     return out

@@ -1,10 +1,26 @@
-"""What a scenario asks for: requests as text, chat messages or token ids (plain values, no I/O)."""
+"""What a scenario asks for: requests as text, chat messages or token ids (plain values, no I/O), and the
+limits a scenario is held to (so that a typo like ``repeat: 1000000000000`` is refused, not run out of memory)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from prefixcache.core import DEFAULT_NAMESPACE
+
+MAX_REQUESTS = 10_000_000  # requests a scenario may expand to (repeat and generators included)
+MAX_TOKENS = 10_000_000  # any length in tokens a scenario gives (max_new_tokens, a generator's *_tokens)
+
+
+def finite_number(v: Any) -> bool:
+    """True for an int or float (not a bool) that is finite as a float (a huge int is not)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond the float range
+        return False
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,12 @@ from typing import Any
 
 import yaml
 
-from prefixcache.core.errors import InputError
+from prefixcache.core.errors import InputError, shown
+from prefixcache.workload.files import MiB, input_file, read_text
 from prefixcache.workload.generators import run_generators
-from prefixcache.workload.requests import Message, ScenarioRequest
+from prefixcache.workload.requests import MAX_REQUESTS, MAX_TOKENS, Message, ScenarioRequest, finite_number
 from prefixcache.workload.trace import Trace, is_trace_path, load_trace
-from prefixcache.workload.yaml_lines import LineLoader, YamlContext, pos_int
+from prefixcache.workload.yaml_lines import LineLoader, YamlContext, pos_int, scalar_text
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ _SCENARIO_KEYS = {
     "model",
 }
 _REQUEST_KEYS = {"text", "messages", "tokens", "conversation", "namespace", "timestamp", "max_new_tokens", "repeat"}
+MAX_SCENARIO_BYTES = 64 * MiB
 
 
 def parse_capacity(value: Any, where: str = "capacity") -> int | None:
@@ -66,12 +68,12 @@ def parse_capacity(value: Any, where: str = "capacity") -> int | None:
         try:
             number = float(s[:-1] if mult > 1 else s) * mult
         except ValueError:
-            raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}") from None
+            raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {shown(value)}") from None
         if not math.isfinite(number) or number != int(number):
-            raise ValueError(f"{where}: expected a whole number of tokens or 'unlimited', got {value!r}")
+            raise ValueError(f"{where}: expected a whole number of tokens or 'unlimited', got {shown(value)}")
         value = int(number)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {value!r}")
+        raise ValueError(f"{where}: expected a number of tokens or 'unlimited', got {shown(value)}")
     if value <= 0:
         raise ValueError(f"{where} must be > 0, got {value}")
     return value
@@ -114,20 +116,26 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
     if "conversation" in r:
         if "messages" not in r:
             raise ctx.fail("conversation needs messages (a multi-turn chat)", ctx.line_of(r, "conversation"))
-        kw["conversation"] = str(r["conversation"])
+        kw["conversation"] = scalar_text(ctx, r["conversation"], "conversation", ctx.line_of(r, "conversation"))
     if "namespace" in r:
         if not isinstance(r["namespace"], str) or not r["namespace"]:
             raise ctx.fail("namespace must be a non-empty string", ctx.line_of(r, "namespace"))
         kw["namespace"] = r["namespace"]
     if "timestamp" in r:
         ts = r["timestamp"]
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-            raise ctx.fail(f"timestamp must be a number, got {ts!r}", ctx.line_of(r, "timestamp"))
+        if not finite_number(ts):
+            raise ctx.fail(f"timestamp must be a finite number, got {shown(ts)}", ctx.line_of(r, "timestamp"))
         kw["timestamp"] = float(ts)
     if "max_new_tokens" in r:
-        kw["max_new_tokens"] = pos_int(ctx, r["max_new_tokens"], "max_new_tokens", ctx.line_of(r, "max_new_tokens"))
-    repeat = pos_int(ctx, r.get("repeat", 1), "repeat", ctx.line_of(r, "repeat"))
+        line_k = ctx.line_of(r, "max_new_tokens")
+        kw["max_new_tokens"] = pos_int(ctx, r["max_new_tokens"], "max_new_tokens", line_k, maximum=MAX_TOKENS)
+    repeat = pos_int(ctx, r.get("repeat", 1), "repeat", ctx.line_of(r, "repeat"), maximum=MAX_REQUESTS)
     return [ScenarioRequest(**kw)] * repeat
+
+
+def _check_count(ctx: YamlContext, requests: list[ScenarioRequest], line: int | None) -> None:
+    if len(requests) > MAX_REQUESTS:
+        raise ctx.fail(f"the scenario expands to more than {MAX_REQUESTS:,} requests", line)
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -140,21 +148,24 @@ def load_scenario(path: str | Path) -> Scenario:
     if is_trace_path(path):
         trace = load_trace(path)
         return Scenario(name=path.name, path=str(path), trace=trace, block_size=trace.block_size)
-    if not path.is_file():
-        raise InputError("no such scenario file", path)
+    path = input_file(path, "scenario file")
     ctx = YamlContext(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read scenario: {exc}", path) from None
+    text = read_text(path, "scenario file", MAX_SCENARIO_BYTES)
     try:
         doc = yaml.load(text, Loader=LineLoader)
     except InputError as exc:
         raise InputError(exc.message, path, exc.line) from None
+    except yaml.reader.ReaderError as exc:  # a control character; its message spans lines
+        line = text.count("\n", 0, exc.position) + 1
+        raise InputError(f"malformed YAML: character {exc.character!r} is not allowed", path, line) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc)
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise InputError(f"malformed YAML: {problem}", path, mark.line + 1 if mark else None) from None
+    except RecursionError:
+        raise InputError("malformed YAML: nested too deeply", path) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # a constructor's conversion: a 5000-digit int, a bad date
+        raise InputError(f"malformed YAML: {exc}", path) from None
     ctx.check_keys(doc, _SCENARIO_KEYS, "the scenario", 1)
     sources = [k for k in ("requests", "generate", "trace") if k in doc]
     if not sources:
@@ -173,15 +184,17 @@ def load_scenario(path: str | Path) -> Scenario:
             except ValueError as exc:
                 raise ctx.fail(str(exc), ctx.line_of(doc, "capacity")) from None
             caps.append(cap)
-    max_new = pos_int(ctx, doc.get("max_new_tokens", 16), "max_new_tokens", ctx.line_of(doc, "max_new_tokens"))
+    max_new = pos_int(
+        ctx, doc.get("max_new_tokens", 16), "max_new_tokens", ctx.line_of(doc, "max_new_tokens"), maximum=MAX_TOKENS
+    )
     seed = pos_int(ctx, doc.get("seed", 0), "seed", ctx.line_of(doc, "seed"), minimum=0)
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise ctx.fail("model must be a string (preset name or path)", ctx.line_of(doc, "model"))
     common: dict[str, Any] = dict(
-        name=str(doc.get("name", path.stem)),
+        name=scalar_text(ctx, doc.get("name", path.stem), "name", ctx.line_of(doc, "name")),
         path=str(path),
-        description=str(doc.get("description", "")),
+        description=scalar_text(ctx, doc.get("description", ""), "description", ctx.line_of(doc, "description")),
         capacity=tuple(caps),
         max_new_tokens=max_new,
         seed=seed,
@@ -201,6 +214,8 @@ def load_scenario(path: str | Path) -> Scenario:
             raise ctx.fail("requests must be a non-empty list", ctx.line_of(doc, "requests"))
         for i, r in enumerate(reqs):
             requests.extend(_parse_request(ctx, r, i, ctx.line_of(doc, "requests")))
+            _check_count(ctx, requests, ctx.line_of(r) or ctx.line_of(doc, "requests"))
     if "generate" in doc:
         requests.extend(run_generators(doc["generate"], seed, ctx))
+        _check_count(ctx, requests, ctx.line_of(doc, "generate"))
     return Scenario(requests=tuple(requests), block_size=block_size, **common)

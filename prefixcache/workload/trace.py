@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, overload
 
 import numpy as np
 
 from prefixcache.core import DEFAULT_NAMESPACE
-from prefixcache.core.errors import InputError
+from prefixcache.core.errors import InputError, shown
+from prefixcache.workload.files import MiB, input_file
+from prefixcache.workload.requests import finite_number
 
 MOONCAKE_BLOCK_SIZE = 512  # the Mooncake traces' block size; lines may override it with "block_size"
 TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".gz")
 _TRACE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids", "session", "trace_id", "agent", "block_size"}
+MAX_LINE_CHARS = 64 * MiB  # a line longer than this is refused (a 1M-token prompt at block size 16 takes ~1 MiB)
+INT64_END = 2**63  # lengths and hash ids are stored as int64
 
 
 # ---- traces ---------------------------------------------------------------------------------------------
@@ -152,9 +157,35 @@ def _int_field(d: dict[str, Any], key: str, path: Path, line: int, *, required: 
             raise InputError(f"missing field {key!r}", path, line)
         return 0
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise InputError(f"{key} must be an integer >= {minimum}, got {v!r}", path, line)
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v < INT64_END:
+        raise InputError(f"{key} must be an integer >= {minimum} (and < 2**63), got {shown(v)}", path, line)
     return v
+
+
+def _hash_id_array(ids: list[Any], raw: str, path: Path, line: int) -> np.ndarray:
+    """``hash_ids`` as an int64 array; InputError naming the first value that is not a 64-bit integer."""
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError, OverflowError):  # ragged nesting, e.g. [1, [2, 3]]
+        arr = None
+    ok = arr is not None and arr.dtype.kind == "i" and arr.ndim == 1
+    if ok and ("true" in raw or "false" in raw):  # numpy reads [1, true] as [1, 1]
+        ok = not any(isinstance(h, bool) for h in ids)
+    if not ok:
+        bad = next(
+            (h for h in ids if isinstance(h, bool) or not isinstance(h, int) or not -INT64_END <= h < INT64_END), ids[0]
+        )
+        raise InputError(f"hash_ids must hold 64-bit integers, found {shown(bad)}", path, line)
+    assert arr is not None
+    return arr
+
+
+def _lines(f: IO[str], path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line) of a text file, refusing lines longer than MAX_LINE_CHARS."""
+    for lineno, raw in enumerate(iter(partial(f.readline, MAX_LINE_CHARS), ""), 1):
+        if len(raw) >= MAX_LINE_CHARS and not raw.endswith("\n"):
+            raise InputError(f"line longer than {MAX_LINE_CHARS // MiB} MiB; not a trace?", path, lineno)
+        yield lineno, raw
 
 
 def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
@@ -165,9 +196,7 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
     (Mooncake: the last, partial block has an id) or ``floor(...)`` (kv-cache-tester lists full blocks only).
     Raises InputError naming the file and line.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError("no such trace file", path)
+    path = input_file(path, "trace file")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
         raise InputError(f"block size must be a positive integer, got {block_size!r}", path)
     chunks: list[np.ndarray] = []
@@ -181,25 +210,29 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
     loads = json.loads
     try:
         with _open_text(path) as f:
-            for lineno, raw in enumerate(f, 1):
+            for lineno, raw in _lines(f, path):
                 if not raw.strip():
                     continue
                 try:
                     d = loads(raw)
                 except json.JSONDecodeError as exc:
                     raise InputError(f"not valid JSON ({exc.msg}, column {exc.colno})", path, lineno) from None
+                except ValueError as exc:  # e.g. an integer of more than 4300 digits
+                    raise InputError(f"not valid JSON ({exc})", path, lineno) from None
+                except RecursionError:
+                    raise InputError("not a trace line (JSON nested too deeply)", path, lineno) from None
                 if not isinstance(d, dict):
                     raise InputError(f"expected a JSON object, got {type(d).__name__}", path, lineno)
                 if not d.keys() <= _TRACE_KEYS:
                     bad = sorted(d.keys() - _TRACE_KEYS)[0]
-                    raise InputError(f"unknown key {bad!r}; known: {', '.join(sorted(_TRACE_KEYS))}", path, lineno)
+                    raise InputError(f"unknown key {shown(bad)}; known: {', '.join(sorted(_TRACE_KEYS))}", path, lineno)
                 ids = d.get("hash_ids")
                 if not isinstance(ids, list) or not ids:
                     raise InputError("hash_ids must be a non-empty list of integers", path, lineno)
                 n_in = _int_field(d, "input_length", path, lineno, required=True, minimum=1)
                 bs = d.get("block_size", block_size or MOONCAKE_BLOCK_SIZE)
-                if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
-                    raise InputError(f"block_size must be a positive integer, got {bs!r}", path, lineno)
+                if isinstance(bs, bool) or not isinstance(bs, int) or not 0 < bs < INT64_END:
+                    raise InputError(f"block_size must be a positive integer, got {shown(bs)}", path, lineno)
                 if block_size is not None and bs != block_size:
                     raise InputError(f"line says block_size {bs} but {block_size} was asked for", path, lineno)
                 if bs_seen is None:
@@ -214,15 +247,9 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
                         lineno,
                     )
                 ts = d.get("timestamp", 0)
-                if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-                    raise InputError(f"timestamp must be a number, got {ts!r}", path, lineno)
-                arr = np.asarray(ids)
-                if arr.dtype.kind != "i" or arr.ndim != 1:
-                    bad = next(
-                        (h for h in ids if isinstance(h, bool) or not isinstance(h, int) or not -(2**63) <= h < 2**63),
-                        ids[0],
-                    )
-                    raise InputError(f"hash_ids must hold 64-bit integers, found {bad!r}", path, lineno)
+                if not finite_number(ts):
+                    raise InputError(f"timestamp must be a finite number, got {shown(ts)}", path, lineno)
+                arr = _hash_id_array(ids, raw, path, lineno)
                 session = d.get("session")
                 chunks.append(arr)
                 lens.append(len(ids))
@@ -231,8 +258,10 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
                 timestamp.append(float(ts))
                 namespace.append(DEFAULT_NAMESPACE if session is None else f"session-{session}")
                 lines.append(lineno)
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
         raise InputError(f"cannot read trace: {exc}", path) from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"not UTF-8 text ({exc.reason}); not a trace?", path) from None
     if not chunks:
         raise InputError("trace holds no requests", path)
     ids_arr = np.concatenate(chunks).astype(np.int64, copy=False)

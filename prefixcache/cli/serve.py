@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 
 import typer
-from rich.markup import escape
 
 from prefixcache.cli import console
 
@@ -27,7 +26,7 @@ def _require(*modules: str) -> None:
             importlib.import_module(name)
         except ImportError:
             extra = _EXTRAS[name]
-            console.error(escape(f"prefixcache serve needs {name}: pip install 'prefixcache[{extra}]'"))
+            console.error(f"prefixcache serve needs {name}: pip install 'prefixcache[{extra}]'")
             raise typer.Exit(EXIT_USAGE) from None
 
 

@@ -16,7 +16,9 @@ import typer
 from prefixcache.cli.app import UsageError
 from prefixcache.core import POLICIES
 from prefixcache.reports.output import STDOUT, check_output
+from prefixcache.sim.cluster import ClusterSpec, LoadModel
 from prefixcache.sim.policy import DEFAULT_BLOCK_SIZE, Capacity, ReplayPolicy
+from prefixcache.sim.routing import ROUTING_POLICIES, LoadGuard
 from prefixcache.workload.order import ORDERS, ordered
 from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
 from prefixcache.workload.trace import is_trace_path, load_trace
@@ -152,3 +154,31 @@ def capacities(
     if too_big is not None:
         raise UsageError(f"capacity {too_big.blocks:,} blocks is too large (at most 2**63 - 1); use 'unlimited'")
     return sorted(dict.fromkeys(caps), key=Capacity.sort_key)
+
+
+def routers(names: list[str] | None) -> list[str]:
+    """The routing policies to compare (default: all of them, in registry order)."""
+    chosen = list(dict.fromkeys(names or ROUTING_POLICIES))
+    bad = [n for n in chosen if n not in ROUTING_POLICIES]
+    if bad:
+        raise UsageError(f"--router {bad[0]!r}: unknown; known: {', '.join(ROUTING_POLICIES)}")
+    return chosen
+
+
+def cluster_spec(
+    replicas: int, capacity: Capacity, prefill_rate: float, guard_abs: float | None, guard_rel: float | None
+) -> ClusterSpec:
+    """The cluster options as a ClusterSpec; UsageError names the bad option."""
+    try:
+        load = LoadModel(prefill_rate)
+    except ValueError as exc:
+        raise UsageError(f"--prefill-rate: {exc}") from None
+    default = ClusterSpec(replicas, capacity).guard
+    try:
+        guard = LoadGuard(
+            default.abs_threshold if guard_abs is None else guard_abs,
+            default.rel_threshold if guard_rel is None else guard_rel,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--guard-abs/--guard-rel: {exc}") from None
+    return ClusterSpec(replicas, capacity, guard=guard, load=load)

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from prefixcache.cli import options as opt
-from prefixcache.cli.app import app, user_errors
+from prefixcache.cli.app import UsageError, app, user_errors
+from prefixcache.cli.app import interrupted as interrupted_exit
 from prefixcache.cli.console import run_progress
-from prefixcache.cli.outputs import write_run
+from prefixcache.cli.outputs import write_cluster, write_run
+from prefixcache.reports import cluster_report
 from prefixcache.reports.record import TOP_SITES, RunRecord, build_record
+from prefixcache.sim.cluster import DEFAULT_PREFILL_RATE, cluster_replay, global_bound
 from prefixcache.sim.diagnosis import workload_sites
 from prefixcache.sim.replay import simulate as run_simulation
 from prefixcache.sim.requests import CacheRequests, from_scenario
 from prefixcache.sim.results import RunResult
+from prefixcache.sim.routing import ROUTING_POLICIES
 
 
 @app.command()
@@ -34,14 +38,63 @@ def simulate(
     html: opt.HtmlOpt = None,
     markdown: opt.MarkdownOpt = None,
     progress: opt.ProgressOpt = True,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            "--replicas",
+            min=1,
+            help="Simulate a cluster of N replicas, each with a cache of the given capacity, behind a router.",
+        ),
+    ] = None,
+    router: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--router", help=f"Cluster routing policy (repeatable; default all: {', '.join(ROUTING_POLICIES)})."
+        ),
+    ] = None,
+    prefill_rate: Annotated[
+        float, typer.Option("--prefill-rate", help="Cluster load model: tokens per second each replica prefills.")
+    ] = DEFAULT_PREFILL_RATE,
+    guard_abs: Annotated[
+        float | None,
+        typer.Option(
+            "--guard-abs", help="Load guard: absolute queue difference, in tokens of queued prefill (default 131072)."
+        ),
+    ] = None,
+    guard_rel: Annotated[
+        float | None, typer.Option("--guard-rel", help="Load guard: relative queue difference (default 1.5).")
+    ] = None,
 ) -> None:
     """Replay a scenario or trace through the prefix cache without a model: hit rates, evictions, occupancy,
     and why prefill was not saved (miss causes, divergence points).
 
     Several --capacity/--capacity-blocks values give a sweep (one replay per capacity). Text and chat
     requests are tokenised with the built-in byte-level tokenizer; model replies are synthesised.
+    With --replicas N: a cluster of N caches of one capacity each, routed by each --router in turn, side by
+    side with one cache of N times the capacity (load modelled in time: see --prefill-rate).
     """
     opt.check_outputs(json_out, html, markdown)
+    if replicas is not None:
+        record = run_cluster(
+            source,
+            capacity,
+            capacity_blocks,
+            block_size,
+            warmup,
+            eviction,
+            keep_for,
+            order,
+            progress,
+            replicas,
+            router,
+            prefill_rate,
+            guard_abs,
+            guard_rel,
+        )
+        write_cluster(record, json_out, html, markdown)
+        if any(r.get("partial") for r in record["routers"]):
+            raise interrupted_exit()
+        return
     run = run_workload(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order, progress)
     write_run(run.record, json_out, html, markdown)
 
@@ -95,3 +148,58 @@ def run_workload(
     sites = workload_sites(reqs, results[0].rows, top=TOP_SITES) if results else []
     record = build_record("simulate", str(scenario.path), settings, results, partial=interrupted, divergences=sites)
     return Simulated(reqs, record)
+
+
+def run_cluster(
+    source: Path,
+    capacity: list[str] | None,
+    capacity_blocks: list[int] | None,
+    block_size: int | None,
+    warmup: float,
+    eviction: str,
+    keep_for: float | None,
+    order: str,
+    progress: bool,
+    replicas: int,
+    router: list[str] | None,
+    prefill_rate: float,
+    guard_abs: float | None,
+    guard_rel: float | None,
+) -> dict[str, Any]:
+    """Check the cluster options, load ``source`` and replay it through a cluster once per router, then one
+    cache of the cluster's total size. Returns the cluster record. Raises UsageError/InputError."""
+    policy = opt.replay_policy(eviction, keep_for, warmup)
+    opt.check_block_size(block_size)
+    opt.check_order(order)
+    routers = opt.routers(router)
+    scenario = opt.load_workload(source, block_size, order)
+    bs = opt.block_size_of(scenario, block_size)
+    caps = opt.capacities(capacity, capacity_blocks, bs, scenario)
+    if len(caps) != 1:
+        raise UsageError("--replicas takes one capacity (per replica): one --capacity or --capacity-blocks")
+    spec = opt.cluster_spec(replicas, caps[0], prefill_rate, guard_abs, guard_rel)
+    reqs = from_scenario(scenario, bs)
+    summaries = []
+    with run_progress(progress, lambda name: f"router {name}") as prog:
+        for name in routers:
+            prog.start(name, len(reqs))
+            on_row = None if prog.on_row is None else (lambda row, _replica: prog.row(row))
+            result = cluster_replay(reqs, replace(spec, router=name), policy, on_row=on_row)
+            summaries.append({**result.summary(), "partial": result.run.partial})
+            if result.run.partial:
+                break
+    bound = global_bound(reqs, spec, policy)
+    settings = {
+        "source": str(source),
+        "requests": len(reqs),
+        "block_size": bs,
+        "replicas": replicas,
+        "capacity_blocks_per_replica": caps[0].blocks,
+        "prefill_rate": spec.load.prefill_rate,
+        "guard": {"abs_threshold": spec.guard.abs_threshold, "rel_threshold": spec.guard.rel_threshold},
+        "eviction": policy.eviction,
+        "keep_for": policy.keep_for,
+        "warmup": policy.warmup,
+        "order": order,
+    }
+    return cluster_report.build(str(scenario.path), settings, bound.totals(), summaries)

@@ -331,8 +331,8 @@ class _Reader:
 _MISSING: Any = object()
 
 
-def load_record(path: str | Path) -> RunRecord:
-    """Read and check a run record. Raises InputError naming the file and the field (or line, for bad JSON)."""
+def read_json(path: str | Path) -> Any:
+    """The decoded JSON of a record file. Raises InputError naming the file (and line, for bad JSON)."""
     path = input_file(path, "run record")
     text = read_text(path, "run record", MAX_RECORD_BYTES)
     try:
@@ -343,4 +343,14 @@ def load_record(path: str | Path) -> RunRecord:
         raise InputError(f"not valid JSON ({exc})", path) from None
     except RecursionError:
         raise InputError("not a run record (JSON nested too deeply)", path) from None
-    return _Reader(path).record(raw)
+    return raw
+
+
+def record_from_json(raw: Any, path: str | Path) -> RunRecord:
+    """Check a decoded run record; raise InputError naming the file and the field that is wrong."""
+    return _Reader(Path(path)).record(raw)
+
+
+def load_record(path: str | Path) -> RunRecord:
+    """Read and check a run record. Raises InputError naming the file and the field (or line, for bad JSON)."""
+    return record_from_json(read_json(path), path)

@@ -1,0 +1,157 @@
+"""The report of a cluster simulation: routers side by side, against one global cache of the same total size.
+
+A cluster record (JSON, ``"command": "simulate-cluster"``) holds the settings, the global bound's totals and
+each router's summary (``prefixcache.sim.cluster.ClusterResult.summary``); this module writes and reads it
+and renders it with the shared document toolkit.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixcache.core.errors import InputError
+from prefixcache.reports import format as fmt
+from prefixcache.reports.document import Document, Figure, Section, Table
+from prefixcache.reports.output import write_output
+from prefixcache.reports.plots import new_figure, png
+
+COMMAND = "simulate-cluster"
+VERSION = 1
+
+
+def build(
+    source: str, settings: dict[str, Any], bound: dict[str, Any], summaries: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A cluster record (JSON-ready)."""
+    return {
+        "version": VERSION,
+        "command": COMMAND,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": source,
+        "settings": settings,
+        "global_bound": bound,
+        "routers": summaries,
+    }
+
+
+def is_cluster_record(raw: Any) -> bool:
+    return isinstance(raw, dict) and raw.get("command") == COMMAND
+
+
+def save(record: dict[str, Any], path: str | Path) -> str:
+    """Write the record as JSON ("-": stdout). Returns where it went."""
+    return write_output(path, json.dumps(record, indent=1) + "\n")
+
+
+def check(record: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """Check a decoded cluster record's structure; raise InputError naming the field that is wrong."""
+    if record.get("version") != VERSION:
+        raise InputError(f"cluster record version {record.get('version')!r} is not supported", path)
+    if not isinstance(record.get("global_bound"), dict):
+        raise InputError("global_bound: expected an object", path)
+    routers = record.get("routers")
+    if not isinstance(routers, list) or not all(isinstance(r, dict) for r in routers):
+        raise InputError("routers: expected a list of objects", path)
+    for k, r in enumerate(routers):
+        for key in ("router", "token_hit_rate", "requests_per_replica", "busy_s_per_replica"):
+            if key not in r:
+                raise InputError(f"routers[{k}]: missing field {key!r}", path)
+    return record
+
+
+def gap_recovered(rate: float, baseline: float | None, bound: float) -> float | None:
+    """The share of the gap between ``baseline`` (round robin) and the global bound that ``rate`` closes."""
+    if baseline is None or bound <= baseline:
+        return None
+    return (rate - baseline) / (bound - baseline)
+
+
+def comparison(record: dict[str, Any]) -> Table:
+    """Routers side by side (one column each) and the global bound."""
+    rs = record["routers"]
+    bound = record["global_bound"]["token_hit_rate"]
+    rr = next((r["token_hit_rate"] for r in rs if r["router"] == "round_robin"), None)
+    rows = [
+        ["token hit rate", *(fmt.pct(r["token_hit_rate"]) for r in rs), fmt.pct(bound)],
+        [
+            "block hit rate",
+            *(fmt.pct(r["block_hit_rate"]) for r in rs),
+            fmt.pct(record["global_bound"]["block_hit_rate"]),
+        ],
+        ["gap to the bound closed", *(fmt.pct(gap_recovered(r["token_hit_rate"], rr, bound), 1) for r in rs), ""],
+        ["requests max/min", *(_x(r["requests_max_min"]) for r in rs), ""],
+        ["prefill tokens max/min", *(_x(r["prefill_max_min"]) for r in rs), ""],
+        ["busy time max/min", *(_x(r["busy_max_min"]) for r in rs), ""],
+        ["queueing delay p50", *(fmt.ms(r["queue_delay_p50_s"]) for r in rs), ""],
+        ["queueing delay p99", *(fmt.ms(r["queue_delay_p99_s"]) for r in rs), ""],
+        ["routed by", *(", ".join(f"{k} {v:,}" for k, v in sorted(r["reasons"].items())) for r in rs), ""],
+    ]
+    s = record["settings"]
+    title = (
+        f"{s['replicas']} replicas x {fmt.integer(s['capacity_blocks_per_replica'])} blocks, "
+        f"prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica"
+    )
+    return Table(["metric", *(r["router"] for r in rs), f"one cache of {s['replicas']}x"], rows, title)
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def per_replica(record: dict[str, Any]) -> Table:
+    """Requests, prefill tokens and busy seconds of every replica, per router."""
+    header = ["router", "replica", "requests", "prefill tokens", "busy s"]
+    rows = []
+    for r in record["routers"]:
+        for k, (n, p, b) in enumerate(
+            zip(r["requests_per_replica"], r["prefill_tokens_per_replica"], r["busy_s_per_replica"])
+        ):
+            rows.append([r["router"], str(k), fmt.integer(n), fmt.integer(p), f"{b:,.1f}"])
+    return Table(header, rows, "Per replica")
+
+
+def plot_busy(record: dict[str, Any]) -> bytes:
+    """Busy seconds per replica, grouped by router."""
+    fig, ax = new_figure()
+    rs = record["routers"]
+    n = record["settings"]["replicas"]
+    width = 0.8 / max(1, len(rs))
+    for k, r in enumerate(rs):
+        ax.bar(np.arange(n) + k * width, r["busy_s_per_replica"], width, label=r["router"])
+    ax.set_xticks(np.arange(n) + width * (len(rs) - 1) / 2, [str(i) for i in range(n)])
+    ax.set_xlabel("replica")
+    ax.set_ylabel("busy seconds (prefill)")
+    ax.set_title("Prefill work per replica")
+    ax.legend(fontsize=8)
+    return png(fig)
+
+
+def document(record: dict[str, Any]) -> Document:
+    """The cluster report as a Document."""
+    s = record["settings"]
+    doc = Document(
+        f"prefixcache simulate --replicas {s['replicas']}: {Path(str(record.get('source', ''))).name}",
+        footer=f"Cluster record created {record.get('created', '?')}.",
+    )
+    doc.sections.append(Section("", [comparison(record), LOAD_NOTE]))
+    doc.sections.append(
+        Section(
+            "Prefill work per replica",
+            [Figure("busy", "busy time per replica", plot_busy(record)), per_replica(record)],
+        )
+    )
+    doc.sections.append(Section("Settings", [Table(["setting", "value"], [[k, str(v)] for k, v in s.items()])]))
+    return doc
+
+
+LOAD_NOTE = (
+    "Load model: each replica prefills at a fixed rate, first come first served; a request waits for the work "
+    "queued before it on its replica (queueing delay) and then takes uncached prompt tokens / rate seconds. "
+    "Decoding is not modelled. The last column is one cache of the cluster's total size fed every request: "
+    "the bound any routing over separate caches can reach."
+)

@@ -1,0 +1,109 @@
+"""The model-free cluster simulation: round robin and the global bound against independent replays, the load
+model against hand-computed queues, the index-driven routers, and `simulate --replicas` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from prefixcache.cli import app
+from prefixcache.sim.cluster import ClusterSpec, LoadModel, cluster_replay, global_bound
+from prefixcache.sim.policy import Capacity
+from prefixcache.sim.replay import replay
+from prefixcache.sim.requests import from_scenario, from_trace
+from prefixcache.workload.scenario import load_scenario
+from prefixcache.workload.trace import load_trace, trace_from_lists
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[1]
+HEAD = DATA / "mooncake_conversation_head200.jsonl"
+
+
+def test_round_robin_equals_independent_replays_of_each_replicas_share():
+    trace = load_trace(HEAD)
+    n, cap = 3, 40
+    res = cluster_replay(from_trace(trace), ClusterSpec(n, Capacity(cap), "round_robin"))
+    assert list(res.replica) == [i % n for i in range(len(trace))]
+    for r in range(n):  # replica r saw exactly requests r, r+n, ...: replay that sub-trace on its own
+        own = replay(from_trace(trace.take(list(range(r, len(trace), n)))), Capacity(cap))
+        assert [row.cached_tokens for row in own.rows] == [row.cached_tokens for row in res.run.rows[r::n]]
+
+
+def test_global_bound_is_one_cache_of_the_total_size():
+    reqs = from_trace(load_trace(HEAD))
+    spec = ClusterSpec(4, Capacity(25))
+    assert global_bound(reqs, spec).totals() == replay(reqs, Capacity(100)).totals()
+
+
+def test_queueing_delays_by_hand():
+    # three requests of 4 blocks x 16 tokens on ONE replica at 64 tokens/s: each needs 1 s of prefill
+    # (nothing is shared); arrivals at 0, 0.5 and 3 s -> waits 0, 0.5 (until 1.0) and 0 (idle since 2.0)
+    tr = trace_from_lists([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], block_size=16, timestamp=[0, 500, 3000])
+    res = cluster_replay(from_trace(tr), ClusterSpec(1, Capacity(100), "least_loaded", load=LoadModel(64)))
+    assert res.queue_delay_s == pytest.approx((0.0, 0.5, 0.0))
+    assert res.service_s == pytest.approx((1.0, 1.0, 1.0))
+    s = res.summary()
+    assert s["busy_s_per_replica"] == pytest.approx([3.0]) and s["queue_delay_p99_s"] == pytest.approx(0.49)
+
+
+def test_least_loaded_uses_outstanding_work_not_counts():
+    # one long request then two short ones, all at t=0 on 2 replicas: the long one occupies replica 0, so
+    # both short ones go to replica 1 (request counts would alternate)
+    tr = trace_from_lists([[1] * 1 + list(range(2, 11)), [20], [30]], block_size=16, timestamp=[0, 0, 0])
+    res = cluster_replay(from_trace(tr), ClusterSpec(2, Capacity(100), "least_loaded", load=LoadModel(16)))
+    assert res.replica == (0, 1, 1)
+
+
+def test_prefix_routers_follow_the_history_and_balance_work():
+    sc = load_scenario(ROOT / "scenarios" / "chat.yaml")
+    reqs = from_scenario(sc, 16)
+    rr = cluster_replay(reqs, ClusterSpec(2, Capacity(200), "round_robin")).summary()
+    pb = cluster_replay(reqs, ClusterSpec(2, Capacity(200), "prefix_balanced")).summary()
+    bound = global_bound(reqs, ClusterSpec(2, Capacity(200))).totals()
+    assert rr["token_hit_rate"] < pb["token_hit_rate"] <= bound["token_hit_rate"] + 1e-12
+    assert pb["reasons"].get("prefix", 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "rr_rate", "bound_rate"),
+    [("mooncake_conversation_trace.jsonl.gz", 0.091, 0.216)],  # issue 11's independent replay: 9.1% and 21.6%
+)
+def test_mooncake_round_robin_and_bound_match_the_reference(traces_dir, name, rr_rate, bound_rate):
+    reqs = from_trace(load_trace(traces_dir / name))
+    spec = ClusterSpec(4, Capacity(2500), "round_robin")
+    assert round(cluster_replay(reqs, spec).summary()["token_hit_rate"], 3) == rr_rate
+    assert round(global_bound(reqs, spec).totals()["token_hit_rate"], 3) == bound_rate
+
+
+def test_simulate_replicas_cli_and_report(tmp_path):
+    out = tmp_path / "cluster.json"
+    r = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            str(HEAD),
+            "--replicas",
+            "2",
+            "--capacity-blocks",
+            "50",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--html",
+            str(tmp_path / "c.html"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    assert [x["router"] for x in rec["routers"]] == ["round_robin", "least_loaded", "prefix", "prefix_balanced"]
+    assert all(sum(x["requests_per_replica"]) == 200 for x in rec["routers"])
+    assert "data:image/png;base64," in (tmp_path / "c.html").read_text()
+    r = CliRunner().invoke(app, ["report", str(out)])
+    assert r.exit_code == 0 and "prefix_balanced" in r.output
+    r = CliRunner().invoke(app, ["simulate", str(HEAD), "--replicas", "2", "-c", "51200", "-c", "102400"])
+    assert r.exit_code == 2 and "one capacity" in r.output
+    r = CliRunner().invoke(app, ["simulate", str(HEAD), "--replicas", "2", "--capacity-blocks", "9", "--router", "x"])
+    assert r.exit_code == 2 and "unknown" in r.output

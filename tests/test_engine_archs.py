@@ -10,6 +10,9 @@ from engine import PrefixCachedModel
 
 NEW = 4  # max_new_tokens; the last generated token has no KV, so prompt + NEW - 1 tokens get committed
 
+# generate itself must change no parameter or buffer: a false "weights changed" would drop the cache every call
+pytestmark = pytest.mark.filterwarnings("error::engine.StaleCacheWarning")
+
 
 def _check(pcm) -> None:
     pcm.cache.check_integrity()

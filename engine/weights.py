@@ -12,16 +12,17 @@ Tensors made under ``torch.inference_mode`` keep no version counter; only their 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 SAMPLES = 4  # elements read per tensor
 
 
-def module_tensors(model: torch.nn.Module, *, named: bool = False) -> list:
+def module_tensors(model: torch.nn.Module, *, named: bool = False) -> list[Any]:
     """Every parameter and buffer of ``model`` in module order (shared ones repeated); ``named``: as
     (name, tensor) pairs. Walks the module dicts directly (``named_parameters`` costs several times more)."""
-    out: list = []
+    out: list[Any] = []
     stack: list[tuple[str, torch.nn.Module]] = [("", model)]
     while stack:
         prefix, mod = stack.pop()
@@ -38,7 +39,7 @@ def module_tensors(model: torch.nn.Module, *, named: bool = False) -> list:
 class WeightsSnapshot:
     """What ``take`` saw of a model's parameters and buffers; compare two with ``first_change``."""
 
-    state: tuple  # (version counter or None, storage pointer) per tensor, flattened
+    state: tuple[int | None, ...]  # (version counter or None, storage pointer) per tensor, flattened
     samples: tuple[torch.Tensor, ...]  # per (dtype, device) group: the sampled elements' bytes
     owners: tuple[tuple[tuple[int, int], ...], ...]  # per group: (tensor index, bytes sampled) in order
 
@@ -77,7 +78,8 @@ class WeightsSnapshot:
             return next(i // 2 for i in range(0, len(now.state), 2) if now.state[i : i + 2] != self.state[i : i + 2])
         for old, new, owners in zip(self.samples, now.samples, self.owners):
             if not torch.equal(old, new):
-                parts = zip(old.split([b for _, b in owners]), new.split([b for _, b in owners]), owners)
+                sizes = [b for _, b in owners]
+                parts = zip(torch.split(old, sizes), torch.split(new, sizes), owners)
                 return next(i for a, b, (i, _) in parts if not torch.equal(a, b))
         return None
 

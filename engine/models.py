@@ -114,7 +114,7 @@ def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device: Any =
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model = model.to(dtype=dtype, device=device).eval()
+    model = model.to(dtype=dtype, device=device).eval()  # type: ignore[call-arg]  # transformers' typing of .to
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

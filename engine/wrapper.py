@@ -13,11 +13,16 @@ search and other non greedy/sampling modes, ``use_cache=False``, ``inputs_embeds
 ``output_hidden_states`` (their prompt step would cover only the suffix), static/quantized cache
 implementations, right padding, missing ``attention_mask`` with pad tokens in the ids, non-integer or empty
 ids. A cache passed by the caller (``cache=`` / ``past_key_values=``) is refused.
+
+Cached KV is only valid for the weights that computed it: before every cached call the wrapper compares a
+snapshot of the model's parameters and buffers (``engine.weights``) with the previous call's and, when any
+changed, drops the cache with a ``StaleCacheWarning``.
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 import warnings
 from collections.abc import Sequence
@@ -29,8 +34,9 @@ import xxhash
 
 from engine import hf_cache
 from engine.kv_pool import KVPool, bytes_per_token
+from engine.weights import WeightsSnapshot, describe_change
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.core.hashing import as_token_array
+from prefixcache.core.hashing import BlockHasher, as_token_array
 from prefixcache.sim.causes import Fork, LiveCauses, LiveRequest
 from prefixcache.sim.results import CAUSE_FIELDS
 
@@ -83,6 +89,14 @@ class UncachedCallWarning(UserWarning):
     """A generate call ran without the prefix cache (its reason is in the message and last_uncached_reason)."""
 
 
+class StaleCacheWarning(UserWarning):
+    """The wrapped model's weights changed since the cache was filled; the cached KV was dropped."""
+
+
+class UnverifiedCacheWarning(UserWarning):
+    """``verify_tokens=False``: a block-hash collision would serve another prompt's KV (wrong outputs)."""
+
+
 class UnsupportedModelError(ValueError):
     """The model's cache cannot be served from a prefix cache (recurrent state, encoder-decoder, ...)."""
 
@@ -90,11 +104,25 @@ class UnsupportedModelError(ValueError):
 class PrefixCachedModel:
     """Wraps a causal LM; ``generate`` returns what ``model.generate`` returns, reusing cached prefix KV.
 
-    Size the pool by ``max_cached_tokens`` or ``max_cached_bytes`` (one of them; default 32,768 tokens).
+    Size the pool by ``max_cached_tokens`` or ``max_cached_bytes`` (one of them; default 32,768 tokens);
+    sizes and ``block_size`` are ints > 0 (numpy integers too).
     ``on_unsupported``: "error" (default) raises ``UnsupportedModelError`` for models that cannot be cached
     exactly; "passthrough" wraps them anyway and runs every call uncached. Thread-safe (one lock).
     Attributes not defined here fall through to the wrapped model.
+
+    ``verify_tokens`` (default True) keeps every cached block's token ids and checks each match against them.
+    Turning it off saves that memory and compare, but then a collision of the 128-bit block hashes serves
+    another prompt's KV for this one: silently wrong outputs. Turning it off warns (``UnverifiedCacheWarning``).
+    ``hasher`` replaces the block hash (a test seam for forced collisions, as in ``PrefixCache``; leave it None).
+
+    Weights: changing the model's parameters or buffers in place (an optimizer step, ``load_state_dict``, a
+    LoRA merge, ``param.data.copy_``) or replacing one makes the cached KV stale; the next cached call notices
+    (``engine.weights``: version counters, storage pointers and a few sampled values of every tensor) and drops
+    the cache, keeping the counters, with a ``StaleCacheWarning`` naming a changed tensor. A write through
+    ``.data`` confined to a few elements (one edited embedding row) can go unnoticed: call ``reset_cache()``.
     """
+
+    tokenizer: Any  # set by from_pretrained
 
     def __init__(
         self,
@@ -107,15 +135,22 @@ class PrefixCachedModel:
         hash_seed: int = 0,
         verify_tokens: bool = True,
         on_unsupported: str = "error",
+        hasher: BlockHasher | None = None,
     ) -> None:
         if on_unsupported not in ("error", "passthrough"):
             raise ValueError(f"on_unsupported must be 'error' or 'passthrough', got {on_unsupported!r}")
         if max_cached_tokens is not None and max_cached_bytes is not None:
             raise ValueError("give max_cached_tokens or max_cached_bytes, not both")
+        block_size = _positive_int("block_size", block_size)
+        if max_cached_tokens is not None:
+            max_cached_tokens = _positive_int("max_cached_tokens", max_cached_tokens)
+        if max_cached_bytes is not None:
+            max_cached_bytes = _positive_int("max_cached_bytes", max_cached_bytes)
         object.__setattr__(self, "model", model)
         self._lock = threading.RLock()
         self._warned: set[str] = set()
         self._active = 0  # cached generate calls in progress (a nested one, from a callback, runs uncached)
+        self._epoch = 0  # bumped whenever the cache is dropped: a call that outlives its cache commits nothing
         self.block_size = block_size
         self.last_request_stats: tuple[RowStats, ...] = ()
         self.last_uncached_reason: str | None = None
@@ -137,10 +172,10 @@ class PrefixCachedModel:
         specs = hf_cache.probe_specs(model)
         per_block = bytes_per_token(specs, model.dtype) * block_size
         if max_cached_bytes is not None:
-            num_blocks = int(max_cached_bytes) // per_block
+            num_blocks = max_cached_bytes // per_block
             what = f"max_cached_bytes={max_cached_bytes} ({per_block} bytes per block)"
         else:
-            tokens = DEFAULT_MAX_CACHED_TOKENS if max_cached_tokens is None else int(max_cached_tokens)
+            tokens = DEFAULT_MAX_CACHED_TOKENS if max_cached_tokens is None else max_cached_tokens
             num_blocks = tokens // block_size
             what = f"max_cached_tokens={tokens} (block_size={block_size})"
         if num_blocks < 1:
@@ -152,11 +187,20 @@ class PrefixCachedModel:
                 eviction=eviction,
                 hash_seed=hash_seed,
                 verify_tokens=verify_tokens,
-            )
+            ),
+            hasher=hasher,
         )
+        if not verify_tokens:
+            warnings.warn(
+                "PrefixCachedModel(verify_tokens=False): matches are not checked against the cached tokens, so a "
+                "block-hash collision would serve another prompt's KV (wrong outputs, no error)",
+                UnverifiedCacheWarning,
+                stacklevel=2,
+            )
         self.pool = KVPool(specs, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self._specs = specs
         self._causes = LiveCauses(block_size, HISTORY_FACTOR * num_blocks * block_size)
+        self._weights = WeightsSnapshot.take(model)
 
     # ---- construction helpers ------------------------------------------------------------------------
     @classmethod
@@ -218,9 +262,40 @@ class PrefixCachedModel:
         if pool is None or (model.dtype == pool.dtype and torch.device(model.device) == pool.device):
             return
         self.pool = KVPool(self._specs, pool.num_blocks, pool.block_size, dtype=model.dtype, device=model.device)
-        self.cache.reset(keep_stats=True)
-        self._causes.reset()
+        self._drop_cache()
+        self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
         self.fingerprint = _fingerprint(model)
+
+    def _follow_weights(self) -> None:
+        """Drop the cache (keeping the counters) with a StaleCacheWarning when the model's parameters or buffers
+        changed since the last cached call: KV computed with other weights must never be served."""
+        now = WeightsSnapshot.take(self.model)
+        what = describe_change(self.model, self._weights, now)
+        self._weights = now
+        if what is None:
+            return
+        blocks = self.cache.num_cached_blocks
+        self._drop_cache()
+        if blocks:
+            warnings.warn(
+                f"PrefixCachedModel: the model's weights changed since the cache was filled ({what}); "
+                f"dropped {blocks} cached blocks",
+                StaleCacheWarning,
+                stacklevel=4,
+            )
+
+    def _drop_cache(self, *, keep_stats: bool = True) -> None:
+        """Forget every cached block (and the miss-cause history); calls in progress will commit nothing (see
+        ``_epoch``)."""
+        self.cache.reset(keep_stats=keep_stats)
+        self._causes.reset()
+        self._epoch += 1
+
+    @property
+    def _pool(self) -> KVPool:
+        """The pool of a cached call (a passthrough wrapper has none and never makes one)."""
+        assert self.pool is not None, "a passthrough PrefixCachedModel has no KV pool"
+        return self.pool
 
     def __repr__(self) -> str:
         return (
@@ -230,10 +305,10 @@ class PrefixCachedModel:
 
     # ---- cache management ----------------------------------------------------------------------------
     def reset_cache(self) -> None:
-        """Drop every cached block and zero the counters (the pool memory stays allocated)."""
+        """Drop every cached block and zero the counters (the pool memory stays allocated). From inside a
+        running ``generate`` (a callback), that call still returns its output but caches nothing."""
         with self._lock:
-            self.cache.reset()
-            self._causes.reset()
+            self._drop_cache(keep_stats=False)
             self.uncached_calls = 0
             self.last_request_stats = ()
 
@@ -252,12 +327,20 @@ class PrefixCachedModel:
             return d
 
     def probe(self, tokens: Any, namespace: str = "default") -> int:
-        """Leading tokens of ``tokens`` (1-D ids) a ``generate`` in ``namespace`` would serve from cache now.
+        """Leading tokens of ``tokens`` (1-D ids) a ``generate`` in ``namespace`` would serve from cache now
+        (0 when the model's weights, dtype or device changed since: that call would drop the cache first).
 
         Changes nothing."""
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.detach().cpu()
         with self._lock:
+            pool, model = self.pool, self.model
+            if pool is not None and (
+                model.dtype != pool.dtype
+                or torch.device(model.device) != pool.device
+                or describe_change(model, self._weights, WeightsSnapshot.take(model)) is not None
+            ):
+                return 0
             return self.cache.probe(tokens, f"{self.fingerprint}:{namespace}")
 
     def explain(self, input_ids: Any, namespace: str = "default", *, context: int = 16) -> Explanation:
@@ -327,7 +410,9 @@ class PrefixCachedModel:
                 return self._run_uncached(reason, kwargs)
             self.last_uncached_reason = None
             self._follow_model()
+            self._follow_weights()
             self._active += 1
+            assert input_ids is not None  # _uncached_reason saw to it
             try:
                 spaces = [f"{self.fingerprint}:{ns}" for ns in namespaces]
                 return self._generate_cached(input_ids, attention_mask, gc, spaces, kwargs)
@@ -433,7 +518,7 @@ class PrefixCachedModel:
                 attention_mask = attention_mask.repeat_interleave(copies, dim=0)
             kwargs = {**kwargs, "num_return_sequences": 1}
         handles = []
-        alive = True
+        epoch = self._epoch
         try:
             matches, live = [], []
             for row, namespace in zip(rows, namespaces):
@@ -442,7 +527,7 @@ class PrefixCachedModel:
                 handles.append(matches[-1].handle)
                 live.append(self._causes.request(ids, namespace, matches[-1].cached_tokens))
             ready = matches[0].cached_tokens if batch == 1 else width - 1
-            bufs = self.pool.buffers(batch * copies, width + self._new_tokens_bound(gc, kwargs, width))
+            bufs = self._pool.buffers(batch * copies, width + self._new_tokens_bound(gc, kwargs, width))
             for r, m in enumerate(matches):
                 self._prepare_row(bufs, r * copies, pads[r], rows[r], m, ready)
                 for kv in bufs if copies > 1 else ():
@@ -453,24 +538,45 @@ class PrefixCachedModel:
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, **{self._cache_kwarg: cache}, **kwargs)
             if not isinstance(out, torch.Tensor) and any(v is cache for v in out.values()):
-                self.pool.surrender_buffers()  # the caller now holds the cache, which lives in them
-            try:
-                inserted = self._commit_outputs(out, cache, matches, pads, width, gc, live)
-            except BaseException:
-                # blocks may be in the tree without their KV: drop everything rather than ever serve them
-                alive = False
-                self.cache.reset(keep_stats=True)
-                self._causes.reset()
-                raise
+                self._pool.surrender_buffers()  # the caller now holds the cache, which lives in them
+            inserted = [0] * batch
+            if self._epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
+                inserted = self._commit_or_drop(out, cache, matches, pads, width, gc, live)
             self.last_request_stats = tuple(
                 RowStats(len(row), m.cached_tokens, n, *lr.causes[:6], *lr.causes[7:], lr.fork)
                 for row, m, n, lr in zip(rows, matches, inserted, live)
             )
             return out
         finally:
-            if alive:
-                for h in handles:
-                    self.cache.release(h)
+            if self._epoch == epoch:
+                self._release_all(handles)
+
+    def _commit_or_drop(self, out, cache, matches, pads: list[int], width: int, gc, live=None) -> list[int]:
+        """``_commit_outputs``; if that fails, drop the cache (blocks may be in the tree without their KV: never
+        serve them) and take this call's blocks out of the counters again, then re-raise."""
+        stats = self.cache.stats
+        counted = stats.blocks_inserted, stats.blocks_not_cached
+        try:
+            return self._commit_outputs(out, cache, matches, pads, width, gc, live)
+        except BaseException:
+            self._drop_cache()
+            stats.blocks_inserted, stats.blocks_not_cached = counted
+            raise
+
+    def _release_all(self, handles: list) -> None:
+        """Release every handle. An exception (a Ctrl-C) inside one release does not stop the others: that handle
+        is retried once, the rest are released, then the first exception is raised."""
+        error: BaseException | None = None
+        for h in handles:
+            for _attempt in range(2):
+                try:
+                    if not h.released:
+                        self.cache.release(h)
+                    break
+                except BaseException as exc:
+                    error = error or exc
+        if error is not None:
+            raise error
 
     def _prepare_row(self, bufs, r: int, pad: int, tokens: torch.Tensor, m, ready: int) -> None:
         """Fill row ``r`` of the batch buffers up to padded position ``ready``: zeros over the padding, the
@@ -481,7 +587,7 @@ class PrefixCachedModel:
                 kv[0][r, :, :pad].zero_()  # masked out, but must be finite
                 kv[1][r, :, :pad].zero_()
         if cached:
-            self.pool.gather_into(
+            self._pool.gather_into(
                 m.block_ids,
                 [
                     None if kv is None else (kv[0][r, :, pad : pad + cached], kv[1][r, :, pad : pad + cached])
@@ -529,7 +635,7 @@ class PrefixCachedModel:
             if res.block_ids:
                 start = pads[r] + res.first_block * self.block_size
                 end = start + len(res.block_ids) * self.block_size
-                self.pool.scatter(res.block_ids, hf_cache.read_kv(cache, start, end, row=i))
+                self._pool.scatter(res.block_ids, hf_cache.read_kv(cache, start, end, row=i))
                 inserted[r] += len(res.block_ids)
         return inserted
 
@@ -541,6 +647,16 @@ class PrefixCachedModel:
             new = (kwargs.get("max_length") or gc.max_length or 0) - prompt_len
         limit = getattr(self.model.config, "max_position_embeddings", None) or 8192
         return max(0, min(int(new), int(limit)))
+
+
+def _positive_int(name: str, value: Any) -> int:
+    """``value`` (a Python or numpy integer) as an int > 0; TypeError / ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"PrefixCachedModel: {name} must be an int, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if value <= 0:
+        raise ValueError(f"PrefixCachedModel: {name} must be > 0, got {value}")
+    return value
 
 
 def _fingerprint(model) -> str:

@@ -1,10 +1,19 @@
-"""Helpers for the engine tests: tiny random models of several architectures and an uncached comparison."""
+"""Helpers for the engine tests: tiny random models of several architectures and an uncached comparison.
+
+``PREFIXCACHE_TEST_DEVICE`` (default "cpu") is the device the exactness tests (test_engine_archs.py) put their
+models on, e.g. "cuda" on a GPU (``benchmarks/gpu_check.sh``); ``compare`` moves its inputs to the model.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import transformers as T
 
+DEVICE = torch.device(os.environ.get("PREFIXCACHE_TEST_DEVICE") or "cpu")
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError(f"PREFIXCACHE_TEST_DEVICE={DEVICE} but torch {torch.__version__} sees no CUDA device")
 VOCAB = 128
 BS = 4  # block size used by the scenario tests
 
@@ -14,8 +23,8 @@ def _gc(**extra) -> T.GenerationConfig:
     return T.GenerationConfig(pad_token_id=0, eos_token_id=None, bos_token_id=None, do_sample=False, **extra)
 
 
-def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A tiny random decoder of ``arch`` in eval mode with a no-eos greedy generation config."""
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: torch.device | str = "cpu"):
+    """A tiny random decoder of ``arch`` on ``device`` in eval mode with a no-eos greedy generation config."""
     common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     llama_like = dict(
         hidden_size=32,
@@ -67,7 +76,7 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(cfg)
-    model = model.to(dtype).eval()
+    model = model.to(dtype=dtype, device=device).eval()
     model.generation_config = _gc()
     return model
 
@@ -92,8 +101,9 @@ def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.T
 def compare(pcm, model, ids: torch.Tensor, mask: torch.Tensor | None = None, atol: float = 1e-4, **kw):
     """Run the wrapper and the unwrapped model; assert equal greedy tokens and close first-step logits."""
     args = dict(max_new_tokens=4, return_dict_in_generate=True, output_logits=True, **kw)
+    ids = ids.to(model.device)
     if mask is not None:
-        args["attention_mask"] = mask
+        args["attention_mask"] = mask.to(model.device)
     ref = model.generate(ids, **args)
     out = pcm.generate(ids, **args)
     assert out.sequences.shape == ref.sequences.shape

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import xxhash
 
 from prefixcache import CacheConfig, PrefixCache
@@ -38,10 +37,26 @@ def test_chain_matches_the_formula_and_the_tree_keys():
     assert node.keys == expected
 
 
+def committed_keys(tokens: list[int], bs: int, namespace: str, seed: int) -> list[bytes]:
+    """The keys a fresh cache stores for ``tokens`` committed in ``namespace`` (its one tree node)."""
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=bs, hash_seed=seed))
+    with cache.lookup(tokens, namespace) as m:
+        cache.commit(m.handle)
+    (node,) = list(cache.tree.nodes())
+    return node.keys
+
+
 def test_seed_and_namespace_change_every_hash():
-    tokens = list(range(8))
-    a = reference_chain(tokens, 4, "default", 0)
-    assert not set(a) & set(reference_chain(tokens, 4, "default", 1))
-    assert not set(a) & set(reference_chain(tokens, 4, "other", 0))
-    data = np.asarray(tokens, dtype=np.int32).tobytes()
-    assert chain_hashes(xxh3_hasher(0), namespace_root("default", 0), data, 4, 0, 2) == a
+    tokens = list(range(9))  # two full blocks of 4
+    base = committed_keys(tokens, 4, "default", 0)
+    for namespace, seed in (("default", 0), ("default", 1), ("other", 0), ("tenant", 2**64 - 1)):
+        keys = committed_keys(tokens, 4, namespace, seed)
+        assert keys == reference_chain(tokens, 4, namespace, seed)  # the cache's keys follow the formula
+        assert keys == committed_keys(tokens, 4, namespace, seed)  # the same seed and namespace: the same keys
+        if (namespace, seed) != ("default", 0):
+            assert not set(keys) & set(base)  # another seed or namespace: no key in common
+    # behaviour: the same tokens in another namespace of one cache never hit; in the same namespace they do
+    cache = PrefixCache(CacheConfig(num_blocks=8, block_size=4, hash_seed=7))
+    with cache.lookup(tokens, "a") as m:
+        cache.commit(m.handle)
+    assert cache.probe(tokens, "a") == 8 and cache.probe(tokens, "b") == 0 and cache.probe(tokens) == 0

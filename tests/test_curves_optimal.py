@@ -105,18 +105,21 @@ def test_upper_bound_with_warmup_and_tokens(tr, capacity, warmup):
 
 
 def test_hand_example_beats_lru():
-    # C=2. A=[a], B=[b], A, C=[c], A, B ... LRU evicts the block needed next; Belady keeps a.
-    tr = trace_from_lists([[1], [2], [1], [3], [1], [2], [1]], block_size=1)
+    # C=2, blocks 1, 2, 3 requested in a cycle, three times. LRU always evicts the block needed next: 0 hits.
+    # Belady (by hand): t2 [3] evicts 2 (next use t4; 1's is t3) -> t3 [1] hits; t4 [2] evicts 1 (t6; 3's is t5)
+    # -> t5 [3] hits; t6 [1] evicts 3 (t8; 2's is t7) -> t7 [2] hits; t8 [3] misses: 3 hits.
+    tr = trace_from_lists([[1], [2], [3]] * 3, block_size=1)
     nt = canonical_blocks(tr)
-    # Belady with 2 blocks: after [3] it keeps 1 (next at t=4) over 2 (next at t=5): hits at t=2, 4, 6 = 3;
-    # t=5 misses 2. LRU: after [3], cache {1, 3} too (2 is least recent) -> also 3 hits here; with 1 block
-    # both only hit when the same block repeats back to back (never): 0.
+    assert replay(tr, "lru", 2) == (0, 0)  # a real LRU replay through PrefixCache
     assert optimal_hits(nt, 2).hit_blocks == 3 == brute_force_best(tr, 2)
-    assert optimal_hits(nt, 1).hit_blocks == 0
-    # FIFO-like trap: C=2, [1],[2],[3],[1],[2]: Belady keeps 1 and 2? No: [3] is forced in, so only one of
-    # 1, 2 stays: 1 hit. Any policy gets at most 1.
+    assert lru_curve(nt).hits(2, "blocks") == 0
+    # with 3 blocks everything fits: both hit all 6 repeats; with 1 block neither hits (no back-to-back repeat)
+    assert replay(tr, "lru", 3)[0] == optimal_hits(nt, 3).hit_blocks == 6
+    assert replay(tr, "lru", 1)[0] == optimal_hits(nt, 1).hit_blocks == 0
+    # FIFO-like trap: C=2, [1],[2],[3],[1],[2]: [3] is forced in, so only one of 1, 2 stays: at most 1 hit.
     tr2 = trace_from_lists([[1], [2], [3], [1], [2]], block_size=1)
     assert optimal_hits(canonical_blocks(tr2), 2).hit_blocks == 1 == brute_force_best(tr2, 2)
+    assert replay(tr2, "lru", 2)[0] == 0
 
 
 def test_prefix_semantics_counted_once():

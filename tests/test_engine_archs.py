@@ -1,14 +1,19 @@
-"""Every architecture: a request sequence through the wrapper matches the unwrapped model exactly."""
+"""Every architecture: a request sequence through the wrapper matches the unwrapped model exactly.
+
+Runs on ``PREFIXCACHE_TEST_DEVICE`` (default cpu; see engine_testutil)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from engine_testutil import ARCHS, BS, compare, expected_cached, left_pad, rand_tokens, tiny_model
+from engine_testutil import ARCHS, BS, DEVICE, compare, expected_cached, left_pad, rand_tokens, tiny_model
 
 from engine import PrefixCachedModel
 
 NEW = 4  # max_new_tokens; the last generated token has no KV, so prompt + NEW - 1 tokens get committed
+
+# generate itself must change no parameter or buffer: a false "weights changed" would drop the cache every call
+pytestmark = pytest.mark.filterwarnings("error::engine.StaleCacheWarning")
 
 
 def _check(pcm) -> None:
@@ -18,7 +23,7 @@ def _check(pcm) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_request_sequence_matches_unwrapped(arch):
-    model = tiny_model(arch)
+    model = tiny_model(arch, device=DEVICE)
     pcm = PrefixCachedModel(model, max_cached_tokens=4096, block_size=BS)
     g = torch.Generator().manual_seed(1)
     a = rand_tokens(g, 18)
@@ -61,7 +66,7 @@ def test_request_sequence_matches_unwrapped(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_small_pool_evicts_and_stays_exact(arch):
-    model = tiny_model(arch)
+    model = tiny_model(arch, device=DEVICE)
     pcm = PrefixCachedModel(model, max_cached_tokens=6 * BS, block_size=BS)  # 6 blocks
     g = torch.Generator().manual_seed(2)
     a, b = rand_tokens(g, 18), rand_tokens(g, 18)
@@ -78,15 +83,15 @@ def test_small_pool_evicts_and_stays_exact(arch):
     _check(pcm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_tokens_match(arch):
-    model = tiny_model(arch, dtype=torch.bfloat16)
+    model = tiny_model(arch, dtype=torch.bfloat16, device=DEVICE)
     pcm = PrefixCachedModel(model, max_cached_tokens=1024, block_size=BS)
     assert pcm.pool.dtype == torch.bfloat16
     g = torch.Generator().manual_seed(3)
     a = rand_tokens(g, 21)
     for prompt in (a, a[:14] + rand_tokens(g, 6), a):
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         ref = model.generate(ids, max_new_tokens=6)
         out = pcm.generate(ids, max_new_tokens=6)
         assert torch.equal(out, ref)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import numpy as np
 import pytest
@@ -73,6 +75,35 @@ def test_plan_matches_replays(conv_slice, weight, warmup):
     opt = {a.fraction: a.capacity_blocks for a in plan.answers if a.curve == "optimal"}
     lru = {a.fraction: a.capacity_blocks for a in plan.answers if a.curve == "lru"}
     assert all(opt[f] <= lru[f] for f in opt)
+
+
+def sessions_trace(seed: int, sessions: int = 4, turns: int = 15):
+    """kv-tester-like: sessions one after another in the file, their timestamps interleaved (5 s apart); each
+    request extends a random prefix of an earlier request of its session (or starts afresh), blocks of 4."""
+    rng = random.Random(seed)
+    reqs, stamps, namespaces = [], [], []
+    for s in range(sessions):
+        mine: list[list[int]] = []
+        fresh = itertools.count()
+        for k in range(turns):
+            base = rng.choice(mine)[: rng.randint(0, 8)] if mine and rng.random() < 0.8 else []
+            mine.append(base + [next(fresh) for _ in range(rng.randint(0 if base else 1, 4))])
+            reqs.append(mine[-1])
+            stamps.append((k * sessions + s) * 5_000)
+            namespaces.append(f"session-{s}")
+    return trace_from_lists(reqs, block_size=4, timestamp=stamps, namespace=namespaces)
+
+
+def test_priority_plan_matches_its_replays_where_it_differs_from_lru():
+    # In file order the clock jumps back at each new session, so the retention of later-stamped sessions (kept
+    # until timestamp + keep_for), not recency, decides what is evicted: priority is not LRU here.
+    tr = sessions_trace(0)
+    plan = make_plan(tr, policies=["lru", "priority"], weight="tokens", points=8, keep_for=30.0, bound=False)
+    lru = [rate(tr, "lru", c, "tokens") for c in plan.grid]
+    kept = [rate(tr, "priority", c, "tokens", keep_for=30.0) for c in plan.grid]
+    assert sum(a != b for a, b in zip(lru, kept)) >= 2  # the case really tells the two apart
+    assert plan.rates["lru"] == pytest.approx(lru)
+    assert plan.rates["priority"] == pytest.approx(kept)
 
 
 def test_optimal_answer_is_the_smallest_capacity():

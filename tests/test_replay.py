@@ -133,3 +133,29 @@ def test_replay_eviction_policy_matches_simulation(tiny, handwritten):
 def test_cli_replay_rejects_unknown_eviction():
     r = CliRunner().invoke(cli.app, ["replay", str(SCENARIOS / "chat.yaml"), "--eviction", "random"])
     assert r.exit_code == 2 and "unknown policy 'random'" in r.output
+
+
+def test_verify_fails_when_the_cache_serves_wrong_kv(monkeypatch, tiny, handwritten):
+    """Poisoned KV on every hit: the rows served from cache are mismatches, and ``replay --verify`` exits 1."""
+    from engine.kv_pool import KVPool
+
+    real = KVPool.gather_into
+
+    def poisoned(self, block_ids, dst):
+        real(self, block_ids, dst)
+        for kv in dst:
+            if kv is not None:
+                kv[1].mul_(-4.0)  # the values of every cached token: wrong KV, right shapes
+
+    monkeypatch.setattr(KVPool, "gather_into", poisoned)
+    (res,), _ = replay(handwritten, [Capacity(None)], block_size=4, loaded=tiny)
+    hits = [r.outputs_match for r in res.rows if r.cached_tokens > 0]
+    assert hits and not all(hits)  # wrong KV was served and noticed
+    assert all(r.outputs_match for r in res.rows if r.cached_tokens == 0)
+    args = ["replay", str(SCENARIOS / "chat.yaml"), "--max-requests", "4", "--capacity", "unlimited", "--verify"]
+    r = CliRunner().invoke(cli.app, args)
+    assert r.exit_code == 1, r.output
+    assert "gave different outputs cached and uncached" in r.output
+    monkeypatch.setattr(KVPool, "gather_into", real)
+    r = CliRunner().invoke(cli.app, args)  # the same run, unpoisoned, passes
+    assert r.exit_code == 0, r.output

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixcache import CacheConfig, PrefixCache
 from prefixcache.sim.policy import Capacity, ReplayPolicy
 from prefixcache.sim.replay import replay, simulate
 from prefixcache.sim.requests import from_scenario, from_trace
@@ -181,10 +182,57 @@ def test_warmup_excludes_first_requests():
         simulate_trace(trace, 100, warmup=1.0)
 
 
-def test_namespaces_never_share():
-    trace = load_trace(DATA / "kvtester_sample.jsonl")  # three identical requests, one session
-    r = simulate_trace(trace, 100)
-    assert [row.hit_blocks for row in r.rows] == [0, 8, 8]
+def _write_lines(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    return path
+
+
+def test_namespaces_never_share(tmp_path):
+    # three kv-tester sessions sending the SAME hash ids, interleaved: ids are only comparable within a session
+    ids = [0, 1, 2, 3]
+    lines = [
+        {"timestamp": t, "session": s, "input_length": 256, "block_size": 64, "hash_ids": ids}
+        for t, s in enumerate([0, 1, 2, 0, 1, 2, 1])
+    ]
+    r = simulate_trace(load_trace(_write_lines(tmp_path / "kv.jsonl", lines)), 100)
+    # by hand: each session's first request misses although another session sent the same ids before it
+    assert [row.hit_blocks for row in r.rows] == [0, 0, 0, 4, 4, 4, 4]
+    assert r.totals()["peak_pool_blocks"] == 12  # three separate copies of the 4 blocks
+    # the same lines in one session: everything after the first request hits
+    one = [dict(d, session=0) for d in lines]
+    r = simulate_trace(load_trace(_write_lines(tmp_path / "one.jsonl", one)), 100)
+    assert [row.hit_blocks for row in r.rows] == [0, 4, 4, 4, 4, 4, 4]
+
+
+# ---- token and block hit rates, by hand ---------------------------------------------------------------------
+def test_token_and_block_hit_rates_by_hand(tmp_path):
+    """A 3-request trace (blocks of 16) where the two rates differ; every figure worked out by hand."""
+    lines = [
+        {"timestamp": 0, "input_length": 40, "hash_ids": [1, 2, 3]},  # miss: 0 of 3 blocks, 0 of 40 tokens
+        {"timestamp": 1, "input_length": 50, "hash_ids": [1, 2, 4, 5]},  # [1, 2] hit: 2 of 4 blocks, 32 of 50
+        {"timestamp": 2, "input_length": 33, "hash_ids": [1, 2, 3]},  # all 3 hit: 3 of 3, min(48, 33) = 33 of 33
+    ]
+    block_rate, token_rate = (0 + 2 + 3) / (3 + 4 + 3), (0 + 32 + 33) / (40 + 50 + 33)
+    assert block_rate == 0.5 and round(token_rate, 4) == 0.5285
+    trace = load_trace(_write_lines(tmp_path / "t.jsonl", lines), block_size=16)
+    t = simulate_trace(trace, 100).totals()
+    assert (t["hit_blocks"], t["blocks"], t["cached_tokens"], t["prompt_tokens"]) == (5, 10, 65, 123)
+    assert t["block_hit_rate"] == block_rate and t["token_hit_rate"] == pytest.approx(token_rate)
+    # the core's own counters, driven by the same keys
+    cache = PrefixCache(CacheConfig(num_blocks=100, block_size=16))
+    for d in lines:
+        m = cache.match_keys(d["hash_ids"], num_tokens=d["input_length"])
+        cache.commit_keys(m.handle)
+        cache.release(m.handle)
+    assert cache.stats.block_hit_rate == block_rate and cache.stats.token_hit_rate == pytest.approx(token_rate)
+    # and on tokens (blocks of 4): 10 tokens miss; then its first 9 + 3 more: 2 of ceil(12 / 4) = 3 blocks hit
+    cache = PrefixCache(CacheConfig(num_blocks=100, block_size=4))
+    first = list(range(10, 20))
+    for prompt in (first, first[:9] + [7, 8, 9]):
+        with cache.lookup(prompt) as m:
+            cache.commit(m.handle)
+    assert cache.stats.as_dict()["token_hit_rate"] == pytest.approx(8 / 22)
+    assert cache.stats.as_dict()["block_hit_rate"] == pytest.approx(2 / 6)
 
 
 # ---- Ctrl-C keeps a usable partial run --------------------------------------------------------------------

@@ -4,8 +4,9 @@ A :class:`Renderer` encodes text and chat messages. :class:`ByteRenderer` is a p
 built-in byte-level tokenizer (engine/models.py): utf-8 bytes are ids 0-255, ``<|bos|>`` is 256, role
 markers and ``<|end|>`` follow, and chat uses the same template
 ``<|bos|>`` + ``<|role|>content<|end|>`` per message + ``<|assistant|>``. So ``simulate`` needs no transformers
-and gives the same token ids as ``replay`` on a built-in model (for roles system/user/assistant; other
-roles are spelled out as bytes, as the template does).
+and gives the same token ids as ``replay`` on a built-in model. Like that tokenizer (and every Hugging Face
+tokenizer by default), a special token's string inside text or a message is read as that special token:
+"a<|end|>b" is 3 tokens after ``<|bos|>``, not 9; other roles' markers (``<|tool|>``) are plain bytes.
 
 :class:`Conversations` keeps each conversation's history: a turn's prompt is the history (earlier messages
 and the replies given to them, as text, like a chat client resends them) plus the turn's new messages.
@@ -13,6 +14,7 @@ and the replies given to them, as text, like a chat client resends them) plus th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -24,6 +26,7 @@ from prefixcache.workload.requests import Message, ScenarioRequest
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SPECIAL_IDS = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
 BOS_ID = SPECIAL_IDS["<|bos|>"]
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 REPLY_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz      .,", dtype=np.uint8)
 
 
@@ -38,22 +41,14 @@ class ByteRenderer:
     """utf-8 bytes as ids plus the built-in special tokens; no dependencies."""
 
     def encode_text(self, text: str) -> list[int]:
-        """``<|bos|>`` then the text's utf-8 bytes (what the built-in tokenizer gives with special tokens)."""
-        return [BOS_ID, *text.encode("utf-8")]
+        """``<|bos|>`` then the text (what the built-in tokenizer gives with special tokens)."""
+        return [BOS_ID, *_encode(text)]
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        """The chat template: ``<|bos|>`` ``<|role|>content<|end|>``... ``<|assistant|>``."""
-        out = [BOS_ID]
-        for m in messages:
-            marker = f"<|{m.role}|>"
-            if marker in SPECIAL_IDS:
-                out.append(SPECIAL_IDS[marker])
-            else:
-                out.extend(marker.encode("utf-8"))
-            out.extend(m.content.encode("utf-8"))
-            out.append(SPECIAL_IDS["<|end|>"])
-        out.append(SPECIAL_IDS["<|assistant|>"])
-        return out
+        """The chat template, rendered to one string and encoded: ``<|bos|>`` ``<|role|>content<|end|>``...
+        ``<|assistant|>``."""
+        body = "".join(f"<|{m.role}|>{m.content}<|end|>" for m in messages)
+        return _encode(f"<|bos|>{body}<|assistant|>")
 
     def decode(self, ids: Sequence[int], *, specials: bool = False) -> str:
         """Bytes back to text; special tokens are dropped, or written by name with ``specials``."""
@@ -70,6 +65,17 @@ class ByteRenderer:
             out.append(SPECIAL_TOKENS[k] if k < len(SPECIAL_TOKENS) else f"<|{i}|>")
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+
+def _encode(text: str) -> list[int]:
+    """Special tokens' strings as their ids, everything else as utf-8 bytes."""
+    out: list[int] = []
+    for i, part in enumerate(_SPECIAL_RE.split(text)):
+        if i % 2:  # split() puts the captured specials at odd positions
+            out.append(SPECIAL_IDS[part])
+        else:
+            out.extend(part.encode("utf-8"))
+    return out
 
 
 def synthetic_reply(seed: int, index: int, length: int) -> str:

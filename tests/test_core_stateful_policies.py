@@ -220,8 +220,19 @@ class Live:
     prompt: tuple
 
 
-def machine(policy: str, block_size: int, num_blocks: int, max_prompt: int = 14, modes: tuple[str, ...] = MODES):
-    """A state machine class comparing PrefixCache(eviction=``policy``) with Reference, requests in ``modes``."""
+def machine(
+    policy: str,
+    block_size: int,
+    num_blocks: int,
+    max_prompt: int = 14,
+    modes: tuple[str, ...] = MODES,
+    keep_all: float | None = None,
+):
+    """A state machine class comparing PrefixCache(eviction=``policy``) with Reference, requests in ``modes``.
+
+    ``keep_all``: every commit keeps its whole path that long and the clock mostly stands still, so victims
+    are often chosen among retained blocks only, with equal keep_until (the recency tie-break decides).
+    """
     bs = block_size
     tail = st.lists(st.integers(0, 2), max_size=max_prompt)
     prompts = st.builds(lambda b, t: (b + tuple(t))[:max_prompt] or (0,), st.sampled_from(BASES), tail)
@@ -231,12 +242,12 @@ def machine(policy: str, block_size: int, num_blocks: int, max_prompt: int = 14,
     namespaces = st.sampled_from(NAMESPACES)
     modes_st = st.sampled_from(modes)
     agains = st.none() | st.integers(0, 15)
-    waits = st.none() | st.sampled_from([0.5, 1, 2])
+    waits = (st.none() | st.sampled_from([0.5, 1, 2])) if keep_all is None else st.sampled_from([None, None, None, 1])
     lands = st.none() | st.integers(0, 3)
     cuts = st.none() | st.integers(0, max_prompt)  # None: the whole earlier sequence
     keeps = {
-        "keep_for": KEEP_FORS,
-        "keep_blocks": st.none() | st.integers(0, 3),
+        "keep_for": KEEP_FORS if keep_all is None else st.just(keep_all),
+        "keep_blocks": (st.none() | st.integers(0, 3)) if keep_all is None else st.none(),
         "keep_extra": st.integers(0, bs - 1),
     }
 
@@ -378,7 +389,7 @@ def machine(policy: str, block_size: int, num_blocks: int, max_prompt: int = 14,
             counted = (s.lookups, s.hit_blocks, s.blocks_evicted, s.blocks_inserted, s.blocks_not_cached)
             assert counted == (ref.lookups, ref.hit_blocks, ref.evicted, ref.inserted, ref.not_cached)
 
-    Machine.__name__ = f"{policy.capitalize()}Block{bs}Machine"
+    Machine.__name__ = f"{policy.capitalize()}{'' if keep_all is None else 'AllKept'}Block{bs}Machine"
     Machine.TestCase.settings = settings(
         max_examples=80, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
     )
@@ -391,4 +402,5 @@ TestLfuBlock1 = machine("lfu", 1, 10, max_prompt=6).TestCase
 TestLfuBlock4 = machine("lfu", 4, 8).TestCase
 TestPriorityBlock1 = machine("priority", 1, 10, max_prompt=6).TestCase
 TestPriorityBlock4 = machine("priority", 4, 8).TestCase
+TestPriorityAllKeptBlock4 = machine("priority", 4, 8, keep_all=1000).TestCase
 TestLruRetentionIgnored = machine("lru", 1, 10, max_prompt=6).TestCase

@@ -201,7 +201,7 @@ def cache_shape(cache: PrefixCache) -> dict[int, tuple[str, str, int | None]]:
     """The cache's tree as block id -> (mode, namespace, parent block id), read from its roots and nodes."""
     out: dict[int, tuple[str, str, int | None]] = {}
     for (mode, ns), root in cache.tree.roots.items():
-        stack = [(root, None)]
+        stack: list[tuple[Any, int | None]] = [(root, None)]
         while stack:
             node, above = stack.pop()
             for b in node.blocks:
@@ -245,11 +245,9 @@ def machine(
     waits = (st.none() | st.sampled_from([0.5, 1, 2])) if keep_all is None else st.sampled_from([None, None, None, 1])
     lands = st.none() | st.integers(0, 3)
     cuts = st.none() | st.integers(0, max_prompt)  # None: the whole earlier sequence
-    keeps = {
-        "keep_for": KEEP_FORS if keep_all is None else st.just(keep_all),
-        "keep_blocks": (st.none() | st.integers(0, 3)) if keep_all is None else st.none(),
-        "keep_extra": st.integers(0, bs - 1),
-    }
+    keep_fors = KEEP_FORS if keep_all is None else st.just(keep_all)
+    keep_counts = (st.none() | st.integers(0, 3)) if keep_all is None else st.none()
+    keep_extras = st.integers(0, bs - 1)  # tokens mode: keep_tokens = keep_blocks * bs + keep_extra
 
     def keys_of(tokens: tuple, partial: bool) -> list[tuple]:
         """One key per block: the whole prefix up to the block's end (a partial last block too if asked)."""
@@ -336,7 +334,14 @@ def machine(
             self.live.append(req)
 
         @precondition(lambda self: self.live)
-        @rule(i=st.integers(0, 3), extra=extras, other=st.none() | prompts, **keeps)
+        @rule(
+            i=st.integers(0, 3),
+            extra=extras,
+            other=st.none() | prompts,
+            keep_for=keep_fors,
+            keep_blocks=keep_counts,
+            keep_extra=keep_extras,
+        )
         def commit(self, i, extra, other, keep_for, keep_blocks, keep_extra):
             req = self.live[i % len(self.live)]
             seq = (req.prompt if other is None else other) + extra
@@ -357,7 +362,9 @@ def machine(
             cut=cuts,
             extra=extras,
             out=extras,
-            **keeps,
+            keep_for=keep_fors,
+            keep_blocks=keep_counts,
+            keep_extra=keep_extras,
         )
         def serve(self, wait, land, prompt, ns, mode, again, cut, extra, out, keep_for, keep_blocks, keep_extra):
             """One whole request after the clock moves: match, commit the prompt plus ``out`` (its output), release."""

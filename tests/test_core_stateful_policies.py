@@ -33,7 +33,8 @@ retain_namespace; the fake clock moves before a request, by a step or landing EX
 Compared after every step: every hit (cached tokens, block count, block ids), every CommitResult (first
 block, cached blocks, not_cached, number of new ids), the cache's tree as a map block id -> (mode, namespace,
 parent block id) against the model's prefixes (labelled by the ids the commits returned: the exact set of
-cached prefixes), the stats counters, and check_integrity().
+cached prefixes), the stats counters, and check_integrity(). Three scripted runs of the same machine pin
+the retention boundaries random runs reach only sometimes (expiry exactly at t, equal expiries, a shorter keep).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -80,6 +81,12 @@ VICTIM_KEYS: dict[str, Callable[[Block, float], tuple]] = {
     "lfu": lambda b, now: (b.hits, b.last_access),
     "priority": _priority_key,
 }
+
+
+def _note(what: str) -> None:
+    """A hypothesis event (coverage statistics); a no-op when a scripted test drives the machine by hand."""
+    if currently_in_test_context():
+        event(what)
 
 
 class FakeClock:
@@ -141,9 +148,9 @@ class Reference:
         victim = min(keys, key=keys.__getitem__)
         assert list(keys.values()).count(keys[victim]) == 1, f"model: tied victims at {keys[victim]}"
         if any(self.blocks[k].keep_until == now for k in keys):
-            event("eviction with an evictable block exactly at its expiry")
+            _note("eviction with an evictable block exactly at its expiry")
         if _retained(self.blocks[victim], now):
-            event("a retained block was evicted")
+            _note("a retained block was evicted")
         del self.blocks[victim]
         self.evicted += 1
         return victim
@@ -270,7 +277,7 @@ def machine(
             times = self.ref.expiries_after(self.clock.now)
             if land is not None and times:
                 self.clock.now = times[land % len(times)]
-                event("clock landed on an expiry")
+                _note("clock landed on an expiry")
             elif wait is not None:
                 self.clock.now += wait
 
@@ -290,7 +297,7 @@ def machine(
             run = self.ref.match(m.handle.id, mode, ns, prompt)
             assert m.cached_tokens == len(run) * bs and m.cached_blocks == len(run)
             assert m.block_ids == tuple(self.ref.blocks[k].block_id for k in run)
-            event(f"match: {'hit' if run else 'miss'}")
+            _note(f"match: {'hit' if run else 'miss'}")
             req.handle = m.handle
             self.history.append((mode, ns, prompt))
 
@@ -315,7 +322,7 @@ def machine(
             assert r.cached_blocks == len(run) + len(new)
             for k, b in zip(new, r.block_ids, strict=True):
                 self.ref.blocks[k].block_id = int(b)
-            event(f"commit: evicted {'some' if self.ref.evicted > evicted else 'none'}")
+            _note(f"commit: evicted {'some' if self.ref.evicted > evicted else 'none'}")
             self.history.append((req.mode, req.namespace, seq))
 
         def _release(self, req: Live) -> None:
@@ -411,3 +418,53 @@ TestPriorityBlock1 = machine("priority", 1, 10, max_prompt=6).TestCase
 TestPriorityBlock4 = machine("priority", 4, 8).TestCase
 TestPriorityAllKeptBlock4 = machine("priority", 4, 8, keep_all=1000).TestCase
 TestLruRetentionIgnored = machine("lru", 1, 10, max_prompt=6).TestCase
+
+
+# Scripted boundaries: the same machine and reference driven by hand through the exact situations that decide
+# retention (block size 1, keys mode, one namespace); every step is compared with the reference by agrees(),
+# and the hand-computed survivors confirm that each script reaches its boundary.
+
+
+def _scripted(num_blocks: int) -> Any:
+    return machine("priority", 1, num_blocks, modes=("keys",))()
+
+
+def _serve(m: Any, at: float, token: int, keep_for: float | None = None) -> None:
+    """One whole request for the single block ``(token,)`` at clock ``at``."""
+    m.clock.now = at
+    m.serve(None, None, (token,), "default", "keys", None, None, (), (), keep_for, None, 0)
+    m.agrees()
+
+
+def _cached(m: Any) -> set[int]:
+    return {prefix[-1] for _mode, _ns, prefix in m.ref.blocks}
+
+
+def test_kept_until_t_is_not_retained_at_t():
+    for at, survivors in ((1.5, {1, 3, 4}), (2, {2, 3, 4})):  # (1) kept until 2, least recent
+        m = _scripted(3)
+        _serve(m, 0, 1, keep_for=2)
+        _serve(m, 0, 2)
+        _serve(m, 0, 3)
+        _serve(m, at, 4)  # before 2: (2) goes, the least recent unretained; at 2 exactly: (1) goes
+        assert _cached(m) == survivors
+
+
+def test_retained_victims_with_equal_expiry_go_least_recent_first():
+    m = _scripted(3)
+    _serve(m, 0, 1, keep_for=5)
+    _serve(m, 0, 2, keep_for=5)
+    _serve(m, 0, 1, keep_for=5)  # (1), the older block, is used again
+    _serve(m, 0, 3, keep_for=5)
+    _serve(m, 0, 4, keep_for=5)  # everything is kept until 5: the least recent, (2), goes
+    assert _cached(m) == {1, 3, 4}
+
+
+def test_a_shorter_keep_never_shortens_an_earlier_one():
+    m = _scripted(3)
+    _serve(m, 0, 1, keep_for=3)
+    _serve(m, 1, 1, keep_for=0)  # asks to keep (1) until 1: it stays kept until 3
+    _serve(m, 1, 2)
+    _serve(m, 1, 3)
+    _serve(m, 1, 4)  # (1) is retained: (2) goes, the least recent unretained
+    assert _cached(m) == {1, 3, 4}

@@ -33,8 +33,9 @@ retain_namespace; the fake clock moves before a request, by a step or landing EX
 Compared after every step: every hit (cached tokens, block count, block ids), every CommitResult (first
 block, cached blocks, not_cached, number of new ids), the cache's tree as a map block id -> (mode, namespace,
 parent block id) against the model's prefixes (labelled by the ids the commits returned: the exact set of
-cached prefixes), the stats counters, and check_integrity(). Three scripted runs of the same machine pin
-the retention boundaries random runs reach only sometimes (expiry exactly at t, equal expiries, a shorter keep).
+cached prefixes), the stats counters, and check_integrity(). Four scripted runs of the same machine pin
+the retention boundaries random runs reach only sometimes (expiry exactly at t, equal expiries, a shorter
+keep, a split retained run).
 """
 
 from __future__ import annotations
@@ -429,19 +430,28 @@ def _scripted(num_blocks: int) -> Any:
     return machine("priority", 1, num_blocks, modes=("keys",))()
 
 
-def _serve(m: Any, at: float, token: int, keep_for: float | None = None) -> None:
-    """One whole request for the single block ``(token,)`` at clock ``at``."""
+def _serve(m: Any, at: float, token: int | tuple, keep_for: float | None = None) -> None:
+    """One whole request for ``tokens`` (one block per token) at clock ``at``."""
     m.clock.now = at
-    m.serve(None, None, (token,), "default", "keys", None, None, (), (), keep_for, None, 0)
+    tokens = token if isinstance(token, tuple) else (token,)
+    m.serve(None, None, tokens, "default", "keys", None, None, (), (), keep_for, None, 0)
     m.agrees()
 
 
-def _cached(m: Any) -> set[int]:
-    return {prefix[-1] for _mode, _ns, prefix in m.ref.blocks}
+def _touch(m: Any, at: float, tokens: tuple) -> None:
+    """A request for ``tokens`` at clock ``at`` that matches and ends without committing."""
+    m.clock.now = at
+    m.match(None, None, tokens, "default", "keys", None, None, ())
+    m.release(len(m.live) - 1)
+    m.agrees()
+
+
+def _cached(m: Any) -> set[tuple]:
+    return {prefix for _mode, _ns, prefix in m.ref.blocks}
 
 
 def test_kept_until_t_is_not_retained_at_t():
-    for at, survivors in ((1.5, {1, 3, 4}), (2, {2, 3, 4})):  # (1) kept until 2, least recent
+    for at, survivors in ((1.5, {(1,), (3,), (4,)}), (2, {(2,), (3,), (4,)})):  # (1) kept until 2, least recent
         m = _scripted(3)
         _serve(m, 0, 1, keep_for=2)
         _serve(m, 0, 2)
@@ -457,7 +467,7 @@ def test_retained_victims_with_equal_expiry_go_least_recent_first():
     _serve(m, 0, 1, keep_for=5)  # (1), the older block, is used again
     _serve(m, 0, 3, keep_for=5)
     _serve(m, 0, 4, keep_for=5)  # everything is kept until 5: the least recent, (2), goes
-    assert _cached(m) == {1, 3, 4}
+    assert _cached(m) == {(1,), (3,), (4,)}
 
 
 def test_a_shorter_keep_never_shortens_an_earlier_one():
@@ -467,4 +477,15 @@ def test_a_shorter_keep_never_shortens_an_earlier_one():
     _serve(m, 1, 2)
     _serve(m, 1, 3)
     _serve(m, 1, 4)  # (1) is retained: (2) goes, the least recent unretained
-    assert _cached(m) == {1, 3, 4}
+    assert _cached(m) == {(1,), (3,), (4,)}
+
+
+def test_both_halves_of_a_split_keep_the_retention():
+    m = _scripted(4)
+    _serve(m, 0, (1, 2, 3), keep_for=5)  # one run of 3 blocks, kept until 5
+    _serve(m, 0, 7, keep_for=5)
+    _touch(m, 0, (1, 8))  # hits (1): the run splits into (1) and (1,2)(1,2,3); both halves kept until 5
+    _serve(m, 0, (6, 5), keep_for=5)  # all kept: the least recent leaf, the run's tail, goes whole
+    assert _cached(m) == {(1,), (7,), (6,), (6, 5)}
+    _serve(m, 0, 4, keep_for=5)  # all kept until 5: (7) is less recent than (1)
+    assert _cached(m) == {(1,), (6,), (6, 5), (4,)}

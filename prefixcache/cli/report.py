@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -11,7 +11,7 @@ from prefixcache.cli import options as opt
 from prefixcache.cli.app import app, user_errors
 from prefixcache.cli.outputs import write_cluster, write_run
 from prefixcache.reports import cluster_report
-from prefixcache.reports.record import read_json, record_from_json
+from prefixcache.reports.record import RunRecord, read_json, record_from_json
 
 
 @app.command()
@@ -24,8 +24,16 @@ def report(
 ) -> None:
     """Render a saved run: a terminal summary, and optionally HTML and Markdown with plots."""
     opt.check_outputs(json_out, html, markdown)
-    raw = read_json(run)
-    if cluster_report.is_cluster_record(raw):
-        write_cluster(cluster_report.check(raw, run), json_out, html, markdown)
+    record = load_record(run)
+    if isinstance(record, RunRecord):
+        write_run(record, json_out, html, markdown, rendering=True)
     else:
-        write_run(record_from_json(raw, run), json_out, html, markdown, rendering=True)
+        write_cluster(record, json_out, html, markdown)
+
+
+def load_record(path: Path) -> RunRecord | dict[str, Any]:
+    """The run record at ``path``, or the cluster record (``simulate --replicas``). Raises InputError."""
+    raw = read_json(path)
+    if cluster_report.is_cluster_record(raw):
+        return cluster_report.check(raw, path)
+    return record_from_json(raw, path)

@@ -31,7 +31,7 @@ from prefixcache.core.errors import InputError, shown
 from prefixcache.reports.output import write_output
 from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.policy import Capacity
-from prefixcache.sim.results import ROW_FIELDS, Row, RunResult
+from prefixcache.sim.results import CAUSE_FIELDS, ROW_FIELDS, Row, RunResult
 from prefixcache.workload.files import input_file, read_text
 
 VERSION = 2
@@ -246,6 +246,14 @@ class _Reader:
             if bad is not None:
                 p, w = getattr(rows[bad], part), getattr(rows[bad], whole)
                 raise self.fail(f"{where}.{part}[{bad}]", f"{p} is more than {whole} {w}")
+        for k, r in enumerate(rows):  # miss causes: all set and adding up to the uncached tokens, or all null
+            causes = [getattr(r, f) for f in CAUSE_FIELDS.values()]
+            if all(c is None for c in causes):
+                continue
+            if any(c is None for c in causes) or sum(causes) != r.prompt_tokens - r.cached_tokens:
+                raise self.fail(
+                    f"{where}[{k}]", "miss causes must all be set and add up to the uncached tokens, or all be null"
+                )
         return rows
 
     def run(self, raw: Any, where: str, version: int) -> RunResult:

@@ -120,7 +120,7 @@ def totals(rows: Iterable[Row], capacity: Capacity, pool_blocks: int, block_size
         "peak_pool_blocks": peak,
         "peak_pool_occupancy": None if capacity.blocks is None else peak / pool_blocks,
     }
-    analysed = bool(rows) and all(r.cold_tokens is not None for r in rows)
+    analysed = bool(rows) and all(getattr(r, f) is not None for f in CAUSE_FIELDS.values() for r in rows)
     t["uncached_tokens"] = prompt - cached
     for f in CAUSE_FIELDS.values():
         t[f] = sum(getattr(r, f) for r in rows) if analysed else None

@@ -134,7 +134,8 @@ class InPlaceLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.in_place:
-            kb, vb = self._bufs  # type: ignore[misc]
+            assert self._bufs is not None and self.keys is not None
+            kb, vb = self._bufs
             n, m = self.keys.shape[-2], key_states.shape[-2]
             if (
                 n + m <= min(kb.shape[2], vb.shape[2])
@@ -167,8 +168,10 @@ def settle(cache: DynamicCache, buffers: Sequence[LayerKV | None], length: int) 
     for layer, bufs in zip(cache.layers, buffers):
         if bufs is None or (isinstance(layer, InPlaceLayer) and layer.in_place):
             continue
-        bufs[0][:, :, :length].copy_(layer.keys[:, :, :length])
-        bufs[1][:, :, :length].copy_(layer.values[:, :, :length])
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        assert keys is not None and values is not None, "settle: a KV layer without keys/values"
+        bufs[0][:, :, :length].copy_(keys[:, :, :length])
+        bufs[1][:, :, :length].copy_(values[:, :, :length])
 
 
 def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None) -> DynamicCache:
@@ -184,7 +187,7 @@ def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None) -> Dyn
                 continue
             k, v = kv
             layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
+            layer.keys, layer.values = k, v  # type: ignore[union-attr]
     return cache
 
 

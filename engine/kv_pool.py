@@ -111,12 +111,8 @@ class KVPool:
                 if spec is None:
                     out.append(None)
                     continue
-                out.append(
-                    tuple(
-                        self._buffer(layer, side, *shape, batch, tokens)  # type: ignore[misc]
-                        for side, shape in enumerate((spec.k_shape, spec.v_shape))
-                    )
-                )
+                (kh, kd), (vh, vd) = spec.k_shape, spec.v_shape
+                out.append((self._buffer(layer, 0, kh, kd, batch, tokens), self._buffer(layer, 1, vh, vd, batch, tokens)))
             return out
 
     def surrender_buffers(self) -> None:
@@ -132,6 +128,7 @@ class KVPool:
             cap = -(-cap // self.block_size) * self.block_size
             buf = torch.empty((max(batch, old_batch), heads, cap, dim), dtype=self.dtype, device=self.device)
             self._scratch[layer][side] = buf
+        assert buf is not None
         return buf[:batch]
 
     def gather_into(self, block_ids: Sequence[int], dst: Sequence[LayerKV | None]) -> None:
@@ -144,9 +141,10 @@ class KVPool:
         with _plain_tensors():
             idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
             for layer, pair in enumerate(self._layers):
-                if pair is None:
+                target = dst[layer]
+                if pair is None or target is None:
                     continue
-                for src, out in zip(pair, dst[layer]):  # type: ignore[index]
+                for src, out in zip(pair, target):
                     heads, _, width = src.shape
                     # [heads, n * bs, dim] with contiguous (token, dim) is also [heads, n, bs * dim]
                     torch.index_select(src, 1, idx, out=out.view(heads, n, width))
@@ -170,10 +168,11 @@ class KVPool:
         for layer, pair in enumerate(self._layers):
             if pair is None:
                 continue
-            if kv[layer] is None:
+            layer_kv = kv[layer]
+            if layer_kv is None:
                 raise ValueError(f"scatter: layer {layer} has no KV but the pool stores it")
             for side, dst in enumerate(pair):
-                src = kv[layer][side]
+                src = layer_kv[side]
                 heads, width = dst.shape[0], dst.shape[2]
                 dim = width // self.block_size
                 if tuple(src.shape) != (1, heads, t, dim):

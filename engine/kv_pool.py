@@ -112,7 +112,9 @@ class KVPool:
                     out.append(None)
                     continue
                 (kh, kd), (vh, vd) = spec.k_shape, spec.v_shape
-                out.append((self._buffer(layer, 0, kh, kd, batch, tokens), self._buffer(layer, 1, vh, vd, batch, tokens)))
+                out.append(
+                    (self._buffer(layer, 0, kh, kd, batch, tokens), self._buffer(layer, 1, vh, vd, batch, tokens))
+                )
             return out
 
     def surrender_buffers(self) -> None:

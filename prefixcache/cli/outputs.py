@@ -46,6 +46,7 @@ def write_cluster(record: dict[str, Any], json_out: Path | None, html: Path | No
     """Print the routers side by side and the per-replica table; write the requested files."""
     to_stderr = stdout_taken(json_out, html, markdown)
     console.show(rich_table(cluster_report.comparison(record)), to_stderr=to_stderr)
+    console.show(rich_table(cluster_report.decisions(record)), to_stderr=to_stderr)
     console.show(rich_table(cluster_report.per_replica(record)), to_stderr=to_stderr)
     console.info(cluster_report.LOAD_NOTE)
     if json_out is not None:

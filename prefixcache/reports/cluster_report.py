@@ -72,31 +72,38 @@ def gap_recovered(rate: float, baseline: float | None, bound: float) -> float | 
 
 
 def comparison(record: dict[str, Any]) -> Table:
-    """Routers side by side (one column each) and the global bound."""
+    """One row per router, then the global bound (block hit rates and prefill max/min: in the JSON)."""
     rs = record["routers"]
     bound = record["global_bound"]["token_hit_rate"]
     rr = next((r["token_hit_rate"] for r in rs if r["router"] == "round_robin"), None)
     rows = [
-        ["token hit rate", *(fmt.pct(r["token_hit_rate"]) for r in rs), fmt.pct(bound)],
         [
-            "block hit rate",
-            *(fmt.pct(r["block_hit_rate"]) for r in rs),
-            fmt.pct(record["global_bound"]["block_hit_rate"]),
-        ],
-        ["gap to the bound closed", *(fmt.pct(gap_recovered(r["token_hit_rate"], rr, bound), 1) for r in rs), ""],
-        ["requests max/min", *(_x(r["requests_max_min"]) for r in rs), ""],
-        ["prefill tokens max/min", *(_x(r["prefill_max_min"]) for r in rs), ""],
-        ["busy time max/min", *(_x(r["busy_max_min"]) for r in rs), ""],
-        ["queueing delay p50", *(fmt.ms(r["queue_delay_p50_s"]) for r in rs), ""],
-        ["queueing delay p99", *(fmt.ms(r["queue_delay_p99_s"]) for r in rs), ""],
-        ["routed by", *(", ".join(f"{k} {v:,}" for k, v in sorted(r["reasons"].items())) for r in rs), ""],
+            r["router"],
+            fmt.pct(r["token_hit_rate"]),
+            fmt.pct(gap_recovered(r["token_hit_rate"], rr, bound), 1),
+            _x(r["requests_max_min"]),
+            _x(r["busy_max_min"]),
+            fmt.seconds(r["queue_delay_p50_s"]),
+            fmt.seconds(r["queue_delay_p99_s"]),
+        ]
+        for r in rs
     ]
     s = record["settings"]
+    rows.append([f"one cache of {s['replicas']}x", fmt.pct(bound), "", "", "", "", ""])
     title = (
         f"{s['replicas']} replicas x {fmt.integer(s['capacity_blocks_per_replica'])} blocks, "
         f"prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica"
     )
-    return Table(["metric", *(r["router"] for r in rs), f"one cache of {s['replicas']}x"], rows, title)
+    header = ["router", "hit rate", "gap closed", "req max/min", "busy max/min", "p50 queue", "p99 queue"]
+    return Table(header, rows, title)
+
+
+def decisions(record: dict[str, Any]) -> Table:
+    """Why each router sent its requests where it did (see ``prefixcache.sim.routing.Decision``)."""
+    rows = [
+        [r["router"], ", ".join(f"{k} {v:,}" for k, v in sorted(r["reasons"].items()))] for r in record["routers"]
+    ]
+    return Table(["router", "requests routed by"], rows, "Routing decisions", align="ll")
 
 
 def _x(v: float | None) -> str:
@@ -138,7 +145,7 @@ def document(record: dict[str, Any]) -> Document:
         f"prefixcache simulate --replicas {s['replicas']}: {Path(str(record.get('source', ''))).name}",
         footer=f"Cluster record created {record.get('created', '?')}.",
     )
-    doc.sections.append(Section("", [comparison(record), LOAD_NOTE]))
+    doc.sections.append(Section("", [comparison(record), decisions(record), LOAD_NOTE]))
     doc.sections.append(
         Section(
             "Prefill work per replica",

@@ -100,9 +100,7 @@ def comparison(record: dict[str, Any]) -> Table:
 
 def decisions(record: dict[str, Any]) -> Table:
     """Why each router sent its requests where it did (see ``prefixcache.sim.routing.Decision``)."""
-    rows = [
-        [r["router"], ", ".join(f"{k} {v:,}" for k, v in sorted(r["reasons"].items()))] for r in record["routers"]
-    ]
+    rows = [[r["router"], ", ".join(f"{k} {v:,}" for k, v in sorted(r["reasons"].items()))] for r in record["routers"]]
     return Table(["router", "requests routed by"], rows, "Routing decisions", align="ll")
 
 

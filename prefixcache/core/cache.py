@@ -53,6 +53,10 @@ class RequestHandle:
     terminal: Node | None  # the deepest pinned node (None when nothing is pinned)
     prompt: Any = field(repr=False)  # the validated int32 token array, or the key list, given to match
     released: bool = False
+    # A commit of the prompt itself walks the very path match walked (to ``terminal``, ``matched_blocks``
+    # blocks) while the tree's generation is still ``walked`` (-1: it may not, e.g. match stopped at max_blocks).
+    walked: int = field(default=-1, repr=False)
+    matched_blocks: int = field(default=0, repr=False)
 
 
 def _ids_tuple(runs: tuple[BlockIds, ...]) -> tuple[int, ...]:
@@ -193,8 +197,9 @@ class PrefixCache:
             raise ValueError("tokens is empty: a prompt needs at least one token")
         check_str(namespace, "namespace")
         bs = self.block_size
-        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), arr.data.cast("B"), (n - 1) // bs)
-        return self._finish_match("tokens", namespace, path, arr, n, -(-n // bs))
+        limit = (n - 1) // bs
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), arr.data.cast("B"), limit)
+        return self._finish_match("tokens", namespace, path, arr, n, -(-n // bs), limit, n // bs)
 
     def match_keys(
         self,
@@ -220,7 +225,7 @@ class PrefixCache:
         else:
             n = check_int(num_tokens, "num_tokens", minimum=1, type_error=ValueError)
         path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
-        return self._finish_match("keys", namespace, path, keys, n, len(keys))
+        return self._finish_match("keys", namespace, path, keys, n, len(keys), nb, len(keys))
 
     def probe(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens ``match`` would serve now. Changes nothing."""
@@ -249,8 +254,10 @@ class PrefixCache:
         return Divergence(served * self.block_size, common // TOKEN_DTYPE.itemsize, nxt)
 
     def _finish_match(
-        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int
+        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int, limit: int, full: int
     ) -> MatchResult:
+        """Pin and count the matched ``path`` (walked over at most ``limit`` blocks; a commit of the prompt walks
+        ``full`` blocks)."""
         terminal = self._split_last(path) if path else None
         self._clock += 1
         clock = self._clock
@@ -271,6 +278,8 @@ class PrefixCache:
             hit += len(blocks)
             node = node.parent
         runs.reverse()
+        if hit < limit or limit == full:  # the walk stopped where a walk of all ``full`` blocks stops too
+            handle.walked, handle.matched_blocks = self.tree.generation, hit
         cached_tokens = min(hit * self.block_size, n)
         s = self.stats
         s.lookups += 1
@@ -286,6 +295,15 @@ class PrefixCache:
         if last.matched < len(last.node.blocks):
             return self.tree.split(last.node, last.matched)
         return last.node
+
+    def _walked(self, path: list[Step]) -> tuple[Node | None, int]:
+        """The terminal of a walked path (splitting its last node where the match ends) and its blocks."""
+        if not path:
+            return None, 0
+        have = 0
+        for step in path:
+            have += step.matched
+        return self._split_last(path), have
 
     # ---- commit --------------------------------------------------------------------------------------
     def commit(
@@ -315,8 +333,12 @@ class PrefixCache:
             keep_blocks = check_int(keep_tokens, "keep_tokens", minimum=0, type_error=ValueError) // self.block_size
         until = self._until(handle.namespace, keep_for)
         nblocks = len(data) // self.tree.block_bytes
-        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", handle.namespace)), data, nblocks)
-        return self._insert(handle, path, nblocks, data, until, keep_blocks)
+        if tokens is None and handle.walked == self.tree.generation:
+            terminal, have = handle.terminal, handle.matched_blocks
+        else:
+            path = self.tree.walk_tokens(self.tree.roots.get(("tokens", handle.namespace)), data, nblocks)
+            terminal, have = self._walked(path)
+        return self._insert(handle, terminal, have, nblocks, data, until, keep_blocks)
 
     def commit_keys(
         self,
@@ -331,12 +353,18 @@ class PrefixCache:
         self._check_live(handle)
         if handle.mode != "keys":
             raise ValueError(f"request {handle.id} was matched by tokens; use commit")
-        keys = handle.prompt if keys is None else list(keys)
         if keep_blocks is not None:
             keep_blocks = check_int(keep_blocks, "keep_blocks", minimum=0, type_error=ValueError)
         until = self._until(handle.namespace, keep_for)
-        path = self.tree.walk_keys(self.tree.roots.get(("keys", handle.namespace)), keys, len(keys))
-        return self._insert(handle, path, len(keys), keys, until, keep_blocks)
+        if keys is None and handle.walked == self.tree.generation:
+            keys = handle.prompt
+            terminal, have = handle.terminal, handle.matched_blocks
+        else:
+            keys = handle.prompt if keys is None else list(keys)
+            terminal, have = self._walked(
+                self.tree.walk_keys(self.tree.roots.get(("keys", handle.namespace)), keys, len(keys))
+            )
+        return self._insert(handle, terminal, have, len(keys), keys, until, keep_blocks)
 
     def retain_namespace(self, namespace: str, keep_for: float | None) -> None:
         """Default ``keep_for`` of every later commit in ``namespace`` (None: stop). Changes only that default."""
@@ -366,22 +394,25 @@ class PrefixCache:
     def _insert(
         self,
         handle: RequestHandle,
-        path: list[Step],
+        terminal: Node | None,
+        have: int,
         nblocks: int,
         source: Any,
         until: float | None,
         keep_blocks: int | None,
     ) -> CommitResult:
+        """Cache blocks ``have..nblocks`` of ``source`` under ``terminal`` (the end of its cached path, ``have``
+        blocks long), moving the handle's pins onto that path."""
         mode, namespace, tree = handle.mode, handle.namespace, self.tree
-        terminal = self._split_last(path) if path else None
-        have = 0
-        for step in path:
-            have += step.matched
+        handle.walked = -1
         self._clock += 1
         old = handle.terminal
-        self._pin_path(terminal)  # pin the new path before letting go of the old one
-        handle.terminal = terminal
-        self._unpin_path(old)
+        if terminal is old:  # the handle pins this path already: only its recency moves
+            self._touch_path(terminal)
+        else:
+            self._pin_path(terminal)  # pin the new path before letting go of the old one
+            handle.terminal = terminal
+            self._unpin_path(old)
         want = nblocks - have
         events: list[CacheEvent] | None = [] if self._subscribers else None
         new_ids = EMPTY_IDS
@@ -503,6 +534,14 @@ class PrefixCache:
             if node.pins == 0:
                 policy.remove(node)
             node.pins += 1
+            node.last_access = clock
+            node = node.parent
+
+    def _touch_path(self, terminal: Node | None) -> None:
+        """Refresh the recency of the path to ``terminal`` (one tick: the current ``_clock``), pins unchanged."""
+        node = terminal
+        clock = self._clock
+        while node is not None and node.parent is not None:
             node.last_access = clock
             node = node.parent
 

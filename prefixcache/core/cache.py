@@ -268,7 +268,7 @@ class PrefixCache:
         policy = self.policy
         node = terminal
         while node is not None and node.parent is not None:  # pin, refresh, count a hit: one step per node
-            if node.pins == 0:
+            if node.pins == 0 and not node.children:  # an unpinned leaf is evictable (and only such a node)
                 policy.remove(node)
             node.pins += 1
             node.last_access = clock
@@ -531,7 +531,7 @@ class PrefixCache:
         node = terminal
         policy, clock = self.policy, self._clock
         while node is not None and node.parent is not None:
-            if node.pins == 0:
+            if node.pins == 0 and not node.children:  # an unpinned leaf is evictable (and only such a node)
                 policy.remove(node)
             node.pins += 1
             node.last_access = clock

@@ -147,3 +147,42 @@ def _run(ops: list[tuple[str, int, list[int], bool, bool]], tokens: bool, reuse:
 @given(st.lists(OP, max_size=30), st.booleans())
 def test_reused_walk_equals_full_walk(ops, tokens):
     assert _run(ops, tokens, reuse=True) == _run(ops, tokens, reuse=False)
+
+
+def _served(cache: PrefixCache, keys: list[int], ns: str, combined: bool) -> Any:
+    if combined:
+        cached, hit, c = cache.serve_keys(keys, ns, num_tokens=len(keys) * 4 - 1)
+    else:
+        m = cache.match_keys(keys, ns, num_tokens=len(keys) * 4 - 1)
+        c = cache.commit_keys(m.handle)
+        cache.release(m.handle)
+        cached, hit = m.cached_tokens, m.cached_blocks
+    return cached, hit, c.first_block, c.cached_blocks, c.not_cached, c.block_ids
+
+
+REQUEST = st.tuples(st.sampled_from(["serve", "hold", "drop"]), SEQ, st.sampled_from(["a", "b"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(REQUEST, max_size=30), st.sampled_from(["lru", "fifo", "lfu", "priority"]))
+def test_serve_keys_equals_match_commit_release(requests, eviction):
+    """``serve_keys`` changes the cache exactly as match_keys + commit_keys + release, other requests holding
+    pins in between (``hold``: a match kept live; ``drop``: the oldest held one released)."""
+
+    def run(combined: bool) -> list[Any]:
+        cache = PrefixCache(CacheConfig(num_blocks=6, block_size=4, eviction=eviction))
+        events: list[Any] = []
+        cache.subscribe(events.append)
+        held: list[Any] = []
+        out: list[Any] = []
+        for kind, keys, ns in requests:
+            if kind == "serve":
+                out.append(_served(cache, keys, ns, combined))
+            elif kind == "hold":
+                held.append(cache.match_keys(keys, ns).handle)
+            elif held:
+                cache.release(held.pop(0))
+            cache.check_integrity()
+        return [*out, events, _snapshot(cache)]
+
+    assert run(True) == run(False)

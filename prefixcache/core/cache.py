@@ -213,6 +213,36 @@ class PrefixCache:
         together with everything before it. Up to ``max_blocks`` (default all) may hit; ``num_tokens`` (an int
         >= 1, default ``len(keys) * block_size``) is the prompt length used for token counts.
         """
+        keys, nb, n = self._keys_prompt(keys, namespace, max_blocks, num_tokens)
+        path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
+        return self._finish_match("keys", namespace, path, keys, n, len(keys), nb, len(keys))
+
+    def serve_keys(
+        self,
+        keys: Sequence[Any],
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        num_tokens: int | None = None,
+        keep_for: float | None = None,
+    ) -> tuple[int, int, CommitResult]:
+        """One whole request in one call (what a replay does): ``match_keys(keys, namespace, num_tokens=)``,
+        ``commit_keys(handle, keep_for=)``, ``release(handle)``, with the very same effects (cache, stats,
+        events), without their handle checks and match result. Returns the match's cached tokens and cached
+        blocks, and the commit's result."""
+        keys, nb, n = self._keys_prompt(keys, namespace, None, num_tokens)
+        path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
+        handle, _runs, hit, cached_tokens = self._pin_match("keys", namespace, path, keys, n, nb, nb, nb)
+        try:  # match walked every key and nothing changed since: the commit starts where the match ended
+            until = self._until(namespace, keep_for)
+            c = self._insert(handle, handle.terminal, hit, nb, keys, until, None)
+        finally:
+            self._release(handle)
+        return cached_tokens, hit, c
+
+    def _keys_prompt(
+        self, keys: Sequence[Any], namespace: str, max_blocks: int | None, num_tokens: int | None
+    ) -> tuple[list[Any], int, int]:
+        """Checked keys of a request: (the keys, how many may hit, its prompt tokens)."""
         keys = list(keys)
         if not keys:
             raise ValueError("keys is empty: a request needs at least one block")
@@ -224,8 +254,7 @@ class PrefixCache:
             n = len(keys) * self.block_size
         else:
             n = check_int(num_tokens, "num_tokens", minimum=1, type_error=ValueError)
-        path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
-        return self._finish_match("keys", namespace, path, keys, n, len(keys), nb, len(keys))
+        return keys, nb, n
 
     def probe(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens ``match`` would serve now. Changes nothing."""
@@ -258,6 +287,13 @@ class PrefixCache:
     ) -> MatchResult:
         """Pin and count the matched ``path`` (walked over at most ``limit`` blocks; a commit of the prompt walks
         ``full`` blocks)."""
+        handle, runs, hit, cached_tokens = self._pin_match(mode, namespace, path, prompt, n, nblocks, limit, full)
+        return MatchResult(handle, cached_tokens, hit, tuple(runs))
+
+    def _pin_match(
+        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int, limit: int, full: int
+    ) -> tuple[RequestHandle, list[BlockIds], int, int]:
+        """``_finish_match`` without the result: (the handle, its path's block ids, cached blocks and tokens)."""
         terminal = self._split_last(path) if path else None
         self._clock += 1
         clock = self._clock
@@ -288,7 +324,7 @@ class PrefixCache:
         s.lookup_blocks += nblocks
         s.hit_blocks += hit
         s.lookups_with_hit += hit > 0
-        return MatchResult(handle, cached_tokens, hit, tuple(runs))
+        return handle, runs, hit, cached_tokens
 
     def _split_last(self, path: list[Step]) -> Node:
         last = path[-1]
@@ -503,6 +539,9 @@ class PrefixCache:
     def release(self, handle: RequestHandle) -> None:
         """Unpin the request's path; its blocks become evictable. Raises if released already."""
         self._check_live(handle)
+        self._release(handle)
+
+    def _release(self, handle: RequestHandle) -> None:
         self._unpin_path(handle.terminal)
         handle.released = True
         del self._live[handle.id]

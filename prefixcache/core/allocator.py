@@ -71,6 +71,8 @@ class BlockAllocator:
                     run = run[:need]
                 parts.append(run)
                 need -= len(run)
+        if len(parts) == 1:  # what make_ids makes of one piece
+            return compact_piece(parts[0])
         return make_ids(parts)
 
     def free(self, ids: BlockIds) -> None:

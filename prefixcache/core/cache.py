@@ -53,6 +53,10 @@ class RequestHandle:
     terminal: Node | None  # the deepest pinned node (None when nothing is pinned)
     prompt: Any = field(repr=False)  # the validated int32 token array, or the key list, given to match
     released: bool = False
+    # A commit of the prompt itself walks the very path match walked (to ``terminal``, ``matched_blocks``
+    # blocks) while the tree's generation is still ``walked`` (-1: it may not, e.g. match stopped at max_blocks).
+    walked: int = field(default=-1, repr=False)
+    matched_blocks: int = field(default=0, repr=False)
 
 
 def _ids_tuple(runs: tuple[BlockIds, ...]) -> tuple[int, ...]:
@@ -193,8 +197,9 @@ class PrefixCache:
             raise ValueError("tokens is empty: a prompt needs at least one token")
         check_str(namespace, "namespace")
         bs = self.block_size
-        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), arr.data.cast("B"), (n - 1) // bs)
-        return self._finish_match("tokens", namespace, path, arr, n, -(-n // bs))
+        limit = (n - 1) // bs
+        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), arr.data.cast("B"), limit)
+        return self._finish_match("tokens", namespace, path, arr, n, -(-n // bs), limit, n // bs)
 
     def match_keys(
         self,
@@ -208,6 +213,36 @@ class PrefixCache:
         together with everything before it. Up to ``max_blocks`` (default all) may hit; ``num_tokens`` (an int
         >= 1, default ``len(keys) * block_size``) is the prompt length used for token counts.
         """
+        keys, nb, n = self._keys_prompt(keys, namespace, max_blocks, num_tokens)
+        path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
+        return self._finish_match("keys", namespace, path, keys, n, len(keys), nb, len(keys))
+
+    def serve_keys(
+        self,
+        keys: Sequence[Any],
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        num_tokens: int | None = None,
+        keep_for: float | None = None,
+    ) -> tuple[int, int, CommitResult]:
+        """One whole request in one call (what a replay does): ``match_keys(keys, namespace, num_tokens=)``,
+        ``commit_keys(handle, keep_for=)``, ``release(handle)``, with the very same effects (cache, stats,
+        events), without their handle checks and match result. Returns the match's cached tokens and cached
+        blocks, and the commit's result."""
+        keys, nb, n = self._keys_prompt(keys, namespace, None, num_tokens)
+        path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
+        handle, _runs, hit, cached_tokens = self._pin_match("keys", namespace, path, keys, n, nb, nb, nb)
+        try:  # match walked every key and nothing changed since: the commit starts where the match ended
+            until = self._until(namespace, keep_for)
+            c = self._insert(handle, handle.terminal, hit, nb, keys, until, None)
+        finally:
+            self._release(handle)
+        return cached_tokens, hit, c
+
+    def _keys_prompt(
+        self, keys: Sequence[Any], namespace: str, max_blocks: int | None, num_tokens: int | None
+    ) -> tuple[list[Any], int, int]:
+        """Checked keys of a request: (the keys, how many may hit, its prompt tokens)."""
         keys = list(keys)
         if not keys:
             raise ValueError("keys is empty: a request needs at least one block")
@@ -219,8 +254,7 @@ class PrefixCache:
             n = len(keys) * self.block_size
         else:
             n = check_int(num_tokens, "num_tokens", minimum=1, type_error=ValueError)
-        path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
-        return self._finish_match("keys", namespace, path, keys, n, len(keys))
+        return keys, nb, n
 
     def probe(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens ``match`` would serve now. Changes nothing."""
@@ -249,8 +283,17 @@ class PrefixCache:
         return Divergence(served * self.block_size, common // TOKEN_DTYPE.itemsize, nxt)
 
     def _finish_match(
-        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int
+        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int, limit: int, full: int
     ) -> MatchResult:
+        """Pin and count the matched ``path`` (walked over at most ``limit`` blocks; a commit of the prompt walks
+        ``full`` blocks)."""
+        handle, runs, hit, cached_tokens = self._pin_match(mode, namespace, path, prompt, n, nblocks, limit, full)
+        return MatchResult(handle, cached_tokens, hit, tuple(runs))
+
+    def _pin_match(
+        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int, limit: int, full: int
+    ) -> tuple[RequestHandle, list[BlockIds], int, int]:
+        """``_finish_match`` without the result: (the handle, its path's block ids, cached blocks and tokens)."""
         terminal = self._split_last(path) if path else None
         self._clock += 1
         clock = self._clock
@@ -261,7 +304,7 @@ class PrefixCache:
         policy = self.policy
         node = terminal
         while node is not None and node.parent is not None:  # pin, refresh, count a hit: one step per node
-            if node.pins == 0:
+            if node.pins == 0 and not node.children:  # an unpinned leaf is evictable (and only such a node)
                 policy.remove(node)
             node.pins += 1
             node.last_access = clock
@@ -271,6 +314,8 @@ class PrefixCache:
             hit += len(blocks)
             node = node.parent
         runs.reverse()
+        if hit < limit or limit == full:  # the walk stopped where a walk of all ``full`` blocks stops too
+            handle.walked, handle.matched_blocks = self.tree.generation, hit
         cached_tokens = min(hit * self.block_size, n)
         s = self.stats
         s.lookups += 1
@@ -279,13 +324,22 @@ class PrefixCache:
         s.lookup_blocks += nblocks
         s.hit_blocks += hit
         s.lookups_with_hit += hit > 0
-        return MatchResult(handle, cached_tokens, hit, tuple(runs))
+        return handle, runs, hit, cached_tokens
 
     def _split_last(self, path: list[Step]) -> Node:
         last = path[-1]
         if last.matched < len(last.node.blocks):
             return self.tree.split(last.node, last.matched)
         return last.node
+
+    def _walked(self, path: list[Step]) -> tuple[Node | None, int]:
+        """The terminal of a walked path (splitting its last node where the match ends) and its blocks."""
+        if not path:
+            return None, 0
+        have = 0
+        for step in path:
+            have += step.matched
+        return self._split_last(path), have
 
     # ---- commit --------------------------------------------------------------------------------------
     def commit(
@@ -315,8 +369,12 @@ class PrefixCache:
             keep_blocks = check_int(keep_tokens, "keep_tokens", minimum=0, type_error=ValueError) // self.block_size
         until = self._until(handle.namespace, keep_for)
         nblocks = len(data) // self.tree.block_bytes
-        path = self.tree.walk_tokens(self.tree.roots.get(("tokens", handle.namespace)), data, nblocks)
-        return self._insert(handle, path, nblocks, data, until, keep_blocks)
+        if tokens is None and handle.walked == self.tree.generation:
+            terminal, have = handle.terminal, handle.matched_blocks
+        else:
+            path = self.tree.walk_tokens(self.tree.roots.get(("tokens", handle.namespace)), data, nblocks)
+            terminal, have = self._walked(path)
+        return self._insert(handle, terminal, have, nblocks, data, until, keep_blocks)
 
     def commit_keys(
         self,
@@ -331,12 +389,18 @@ class PrefixCache:
         self._check_live(handle)
         if handle.mode != "keys":
             raise ValueError(f"request {handle.id} was matched by tokens; use commit")
-        keys = handle.prompt if keys is None else list(keys)
         if keep_blocks is not None:
             keep_blocks = check_int(keep_blocks, "keep_blocks", minimum=0, type_error=ValueError)
         until = self._until(handle.namespace, keep_for)
-        path = self.tree.walk_keys(self.tree.roots.get(("keys", handle.namespace)), keys, len(keys))
-        return self._insert(handle, path, len(keys), keys, until, keep_blocks)
+        if keys is None and handle.walked == self.tree.generation:
+            keys = handle.prompt
+            terminal, have = handle.terminal, handle.matched_blocks
+        else:
+            keys = handle.prompt if keys is None else list(keys)
+            terminal, have = self._walked(
+                self.tree.walk_keys(self.tree.roots.get(("keys", handle.namespace)), keys, len(keys))
+            )
+        return self._insert(handle, terminal, have, len(keys), keys, until, keep_blocks)
 
     def retain_namespace(self, namespace: str, keep_for: float | None) -> None:
         """Default ``keep_for`` of every later commit in ``namespace`` (None: stop). Changes only that default."""
@@ -366,22 +430,25 @@ class PrefixCache:
     def _insert(
         self,
         handle: RequestHandle,
-        path: list[Step],
+        terminal: Node | None,
+        have: int,
         nblocks: int,
         source: Any,
         until: float | None,
         keep_blocks: int | None,
     ) -> CommitResult:
+        """Cache blocks ``have..nblocks`` of ``source`` under ``terminal`` (the end of its cached path, ``have``
+        blocks long), moving the handle's pins onto that path."""
         mode, namespace, tree = handle.mode, handle.namespace, self.tree
-        terminal = self._split_last(path) if path else None
-        have = 0
-        for step in path:
-            have += step.matched
+        handle.walked = -1
         self._clock += 1
         old = handle.terminal
-        self._pin_path(terminal)  # pin the new path before letting go of the old one
-        handle.terminal = terminal
-        self._unpin_path(old)
+        if terminal is old:  # the handle pins this path already: only its recency moves
+            self._touch_path(terminal)
+        else:
+            self._pin_path(terminal)  # pin the new path before letting go of the old one
+            handle.terminal = terminal
+            self._unpin_path(old)
         want = nblocks - have
         events: list[CacheEvent] | None = [] if self._subscribers else None
         new_ids = EMPTY_IDS
@@ -472,6 +539,9 @@ class PrefixCache:
     def release(self, handle: RequestHandle) -> None:
         """Unpin the request's path; its blocks become evictable. Raises if released already."""
         self._check_live(handle)
+        self._release(handle)
+
+    def _release(self, handle: RequestHandle) -> None:
         self._unpin_path(handle.terminal)
         handle.released = True
         del self._live[handle.id]
@@ -500,9 +570,17 @@ class PrefixCache:
         node = terminal
         policy, clock = self.policy, self._clock
         while node is not None and node.parent is not None:
-            if node.pins == 0:
+            if node.pins == 0 and not node.children:  # an unpinned leaf is evictable (and only such a node)
                 policy.remove(node)
             node.pins += 1
+            node.last_access = clock
+            node = node.parent
+
+    def _touch_path(self, terminal: Node | None) -> None:
+        """Refresh the recency of the path to ``terminal`` (one tick: the current ``_clock``), pins unchanged."""
+        node = terminal
+        clock = self._clock
+        while node is not None and node.parent is not None:
             node.last_access = clock
             node = node.parent
 

@@ -197,6 +197,9 @@ class RadixTree:
         self.verify_tokens = verify_tokens
         self.hash_keys = hash_keys
         self.roots: dict[tuple[str, str], Root] = {}
+        # bumped by every change of shape (split, add_child, drop_tail, a root dropped): a walk made at one
+        # generation gives the same path at that generation again
+        self.generation = 0
 
     # ---- roots -------------------------------------------------------------------------------------
     def root(self, mode: str, namespace: str) -> Root:
@@ -210,6 +213,7 @@ class RadixTree:
         """Forget a root that has no children left (recreated on demand)."""
         if isinstance(root, Root) and not root.children and self.roots.get((root.mode, root.namespace)) is root:
             del self.roots[(root.mode, root.namespace)]
+            self.generation += 1
 
     # ---- hashes (tokens mode; lazy) ----------------------------------------------------------------
     def _last_from_first(self, node: Node) -> bytes:
@@ -341,6 +345,7 @@ class RadixTree:
         assert 0 < at < len(node.blocks)
         parent = node.parent
         assert parent is not None
+        self.generation += 1
         bb = self.block_bytes
         tail_first: bytes | None = None
         head_last: bytes | None = None
@@ -385,12 +390,14 @@ class RadixTree:
             child.first_hash = key  # type: ignore[assignment]
         assert key not in parent.children, "add_child over an existing child"
         parent.children[key] = child
+        self.generation += 1
         return child
 
     def drop_tail(self, node: Node, n: int) -> BlockIds:
         """Remove the last ``n`` blocks of a leaf; unhook it when it empties (its ``parent`` stays set).
         Returns the freed block ids in eviction order, the tail block first (a view; never written to)."""
         assert not node.children and node.parent is not None and 0 < n <= len(node.blocks)
+        self.generation += 1
         keep = len(node.blocks) - n
         freed = node.blocks[keep:][::-1]
         if keep == 0:

@@ -89,7 +89,6 @@ def to_json(record: RunRecord) -> dict[str, Any]:
     """The record as a JSON-ready dict (layout in the module docstring)."""
     runs = []
     for r in record.runs:
-        columns = list(zip(*r.rows)) if r.rows else [() for _ in ROW_FIELDS]
         runs.append(
             {
                 "capacity_tokens": r.capacity_tokens,
@@ -97,7 +96,7 @@ def to_json(record: RunRecord) -> dict[str, Any]:
                 "pool_blocks": r.pool_blocks,
                 "block_size": r.block_size,
                 "partial": r.partial,
-                "rows": {name: list(col) for name, col in zip(ROW_FIELDS, columns)},
+                "rows": {name: list(col) for name, col in r.columns.items()},
             }
         )
     return {

@@ -50,6 +50,7 @@ workload (:func:`workload_causes`, kept in ``CacheRequests.memo``) and shared by
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -180,6 +181,26 @@ class WorkloadCauses:
     offsets: list[int]
     num_ids: int
     _runs: tuple[list[int], list[int], list[int], list[int]] | None = field(default=None, repr=False)
+    _intact: tuple[list[int], list[Causes]] | None = field(default=None, repr=False)
+
+    def intact(self) -> tuple[list[int], list[Causes]]:
+        """Per request: A_same (``seen_same``), and its causes when nothing it had was lost (made once)."""
+        if self._intact is None:
+            n = len(self.unseen)
+            same, namespace, diverged, partial, cold = zip(*self.unseen) if n else ((),) * 5
+            rows = zip(
+                cold,
+                repeat(0),
+                diverged,
+                partial,
+                namespace,
+                repeat(0),
+                repeat(None),
+                self.shared_tokens,
+                self.shared_with,
+            )
+            self._intact = list(same), list(map(Causes._make, rows))
+        return self._intact
 
     def path(self, i: int) -> list[int]:
         return self.paths[self.offsets[i] : self.offsets[i + 1]].tolist()  # type: ignore[no-any-return]
@@ -251,10 +272,9 @@ def _keys_causes(reqs: CacheRequests) -> WorkloadCauses:
     s = np.minimum(np.diff(offsets) * bs, n)
     same = np.minimum(lead_same * bs, s)
     any_ = np.minimum(lead_any * bs, s)
-    unseen = [
-        Unseen(*row)
-        for row in zip(same.tolist(), (any_ - same).tolist(), [0] * len(n), (n - s).tolist(), (s - any_).tolist())
-    ]
+    unseen = list(
+        map(Unseen._make, zip(same.tolist(), (any_ - same).tolist(), repeat(0), (n - s).tolist(), (s - any_).tolist()))
+    )
     return WorkloadCauses(
         bs,
         unseen,
@@ -306,12 +326,8 @@ class CauseTracker:
 
     def __init__(self, wc: WorkloadCauses) -> None:
         self.wc = wc
-        self.seen_same = [u.seen_same for u in wc.unseen]
         # each request's causes when nothing it had was lost (the common case, returned as is)
-        self.intact = [
-            Causes(u.cold, 0, u.diverged, u.partial_block, u.namespace, 0, None, t, w)
-            for u, t, w in zip(wc.unseen, wc.shared_tokens, wc.shared_with)
-        ]
+        self.seen_same, self.intact = wc.intact()
         self.failed: set[int] = set()  # blocks whose latest commit did not fit
         self.next = 0
 

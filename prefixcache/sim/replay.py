@@ -54,11 +54,8 @@ class Replayer:
         stats = cache.stats
         evicted0 = stats.blocks_evicted
         if reqs.mode == "keys":
-            m = cache.match_keys(reqs.request_keys(i), ns, num_tokens=reqs.prompt_tokens[i])
-            try:
-                c = cache.commit_keys(m.handle, keep_for=self.policy.keep_for)
-            finally:
-                cache.release(m.handle)
+            keys = reqs.request_keys(i)
+            cached, hit, c = cache.serve_keys(keys, ns, num_tokens=reqs.prompt_tokens[i], keep_for=self.policy.keep_for)
         else:
             assert reqs.prompts is not None and reqs.commits is not None
             m = cache.match(reqs.prompts[i], ns)
@@ -66,15 +63,16 @@ class Replayer:
                 c = cache.commit(m.handle, reqs.commits[i], keep_for=self.policy.keep_for)
             finally:
                 cache.release(m.handle)
-        causes = None if self.causes is None else self.causes.observe(i, m.cached_tokens, c)
+            cached, hit = m.cached_tokens, m.cached_blocks
+        causes = None if self.causes is None else self.causes.observe(i, cached, c)
         return Row._make(
             (
                 i,
                 ns,
                 reqs.prompt_tokens[i],
-                m.cached_tokens,
+                cached,
                 reqs.lookup_blocks[i],
-                m.cached_blocks,
+                hit,
                 c.cached_blocks - c.first_block,
                 stats.blocks_evicted - evicted0,
                 cache.num_cached_blocks,

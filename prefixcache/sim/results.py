@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from prefixcache.sim.policy import Capacity
@@ -77,8 +78,17 @@ class RunResult:
         return self.capacity.tokens(self.block_size)
 
     def totals(self) -> dict[str, Any]:
-        """Sums and rates over the measured rows (see :func:`totals`)."""
-        return totals(self.rows, self.capacity, self.pool_blocks, self.block_size)
+        """Sums and rates over the measured rows (see :func:`totals`; computed once, a fresh dict each call)."""
+        return dict(self._totals)
+
+    @cached_property
+    def _totals(self) -> dict[str, Any]:
+        return totals(self.rows, self.capacity, self.pool_blocks, self.block_size, cols=self.columns)
+
+    @cached_property
+    def columns(self) -> dict[str, tuple[Any, ...]]:
+        """The rows column by column: ``ROW_FIELDS`` -> one value per row, in replay order (made once)."""
+        return columns(self.rows)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -91,21 +101,39 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def totals(rows: Iterable[Row], capacity: Capacity, pool_blocks: int, block_size: int) -> dict[str, Any]:
-    """Sums and rates over the measured (non-warm-up) rows. Changes nothing."""
-    rows = [r for r in rows if not r.warmup]
-    prompt = sum(r.prompt_tokens for r in rows)
-    cached = sum(r.cached_tokens for r in rows)
-    blocks = sum(r.blocks for r in rows)
-    hit_blocks = sum(r.hit_blocks for r in rows)
-    with_hit = sum(1 for r in rows if r.hit_blocks > 0)
-    peak = max((r.pool_used_blocks for r in rows), default=0)
+def columns(rows: Sequence[Row]) -> dict[str, tuple[Any, ...]]:
+    """``rows`` column by column: ``ROW_FIELDS`` -> one value per row, in order."""
+    cols = list(zip(*rows)) if rows else [() for _ in ROW_FIELDS]
+    return dict(zip(ROW_FIELDS, cols))
+
+
+def totals(
+    rows: Iterable[Row],
+    capacity: Capacity,
+    pool_blocks: int,
+    block_size: int,
+    *,
+    cols: dict[str, tuple[Any, ...]] | None = None,
+) -> dict[str, Any]:
+    """Sums and rates over the measured (non-warm-up) rows (``cols``: their ``columns``, when made already).
+    Changes nothing."""
+    rows = list(rows)
+    c = columns(rows) if cols is None else cols
+    if True in c["warmup"]:
+        c = columns([r for r in rows if not r.warmup])
+    n = len(c["index"])
+    prompt = sum(c["prompt_tokens"])
+    cached = sum(c["cached_tokens"])
+    blocks = sum(c["blocks"])
+    hit_blocks = sum(c["hit_blocks"])
+    with_hit = n - c["hit_blocks"].count(0)  # hit blocks are counts: > 0 unless 0
+    peak = max(c["pool_used_blocks"], default=0)
     t: dict[str, Any] = {
         "capacity_tokens": capacity.tokens(block_size),
         "capacity_blocks": capacity.blocks,
         "pool_blocks": pool_blocks,
         "block_size": block_size,
-        "requests": len(rows),
+        "requests": n,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "token_hit_rate": cached / prompt if prompt else 0.0,
@@ -113,31 +141,35 @@ def totals(rows: Iterable[Row], capacity: Capacity, pool_blocks: int, block_size
         "hit_blocks": hit_blocks,
         "block_hit_rate": hit_blocks / blocks if blocks else 0.0,
         "requests_with_hit": with_hit,
-        "hit_request_share": with_hit / len(rows) if rows else 0.0,
+        "hit_request_share": with_hit / n if n else 0.0,
         "prefill_tokens_saved": cached,
-        "inserted_blocks": sum(r.inserted_blocks for r in rows),
-        "evicted_blocks": sum(r.evicted_blocks for r in rows),
+        "inserted_blocks": sum(c["inserted_blocks"]),
+        "evicted_blocks": sum(c["evicted_blocks"]),
         "peak_pool_blocks": peak,
         "peak_pool_occupancy": None if capacity.blocks is None else peak / pool_blocks,
     }
-    analysed = bool(rows) and all(getattr(r, f) is not None for f in CAUSE_FIELDS.values() for r in rows)
+    analysed = n > 0 and not any(None in c[f] for f in CAUSE_FIELDS.values())
     t["uncached_tokens"] = prompt - cached
     for f in CAUSE_FIELDS.values():
-        t[f] = sum(getattr(r, f) for r in rows) if analysed else None
+        t[f] = sum(c[f]) if analysed else None
     t["partial_block_share"] = t["partial_block_tokens"] / prompt if analysed and prompt else None
-    ttft_c = [r.ttft_cached_s for r in rows if r.ttft_cached_s is not None]
-    ttft_u = [r.ttft_uncached_s for r in rows if r.ttft_uncached_s is not None]
+
+    def given(field: str) -> list[Any]:
+        return [v for v in c[field] if v is not None]
+
+    ttft_c = given("ttft_cached_s")
+    ttft_u = given("ttft_uncached_s")
     if ttft_c or ttft_u:
         for name, vals in (("cached", ttft_c), ("uncached", ttft_u)):
             for q in (50, 90, 99):
                 t[f"ttft_{name}_p{q}_s"] = percentile(vals, q)
-        tot_c = [r.total_cached_s for r in rows if r.total_cached_s is not None]
-        tot_u = [r.total_uncached_s for r in rows if r.total_uncached_s is not None]
+        tot_c = given("total_cached_s")
+        tot_u = given("total_uncached_s")
         t["time_cached_s"] = sum(tot_c) if tot_c else None
         t["time_uncached_s"] = sum(tot_u) if tot_u else None
         c50, u50 = t["ttft_cached_p50_s"], t["ttft_uncached_p50_s"]
         t["ttft_speedup_p50"] = u50 / c50 if c50 and u50 else None
-        checked = [r.outputs_match for r in rows if r.outputs_match is not None]
+        checked = given("outputs_match")
         t["outputs_checked"] = len(checked)
         t["outputs_mismatched"] = sum(1 for ok in checked if not ok)
     return t

@@ -17,6 +17,7 @@ from prefixcache.reports import cluster_report
 from prefixcache.reports.record import TOP_SITES, RunRecord, build_record
 from prefixcache.sim.cluster import DEFAULT_PREFILL_RATE, cluster_replay, global_bound
 from prefixcache.sim.diagnosis import workload_sites
+from prefixcache.sim.replay import fewer_gc_passes
 from prefixcache.sim.replay import simulate as run_simulation
 from prefixcache.sim.requests import CacheRequests, from_scenario
 from prefixcache.sim.results import RunResult
@@ -74,29 +75,30 @@ def simulate(
     side with one cache of N times the capacity (load modelled in time: see --prefill-rate).
     """
     opt.check_outputs(json_out, html, markdown)
-    if replicas is not None:
-        record = run_cluster(
-            source,
-            capacity,
-            capacity_blocks,
-            block_size,
-            warmup,
-            eviction,
-            keep_for,
-            order,
-            progress,
-            replicas,
-            router,
-            prefill_rate,
-            guard_abs,
-            guard_rel,
-        )
-        write_cluster(record, json_out, html, markdown)
-        if any(r.get("partial") for r in record["routers"]):
-            raise interrupted_exit()
-        return
-    run = run_workload(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order, progress)
-    write_run(run.record, json_out, html, markdown)
+    with fewer_gc_passes():  # loading, replays and the record: many objects, few cycles
+        if replicas is not None:
+            record = run_cluster(
+                source,
+                capacity,
+                capacity_blocks,
+                block_size,
+                warmup,
+                eviction,
+                keep_for,
+                order,
+                progress,
+                replicas,
+                router,
+                prefill_rate,
+                guard_abs,
+                guard_rel,
+            )
+            write_cluster(record, json_out, html, markdown)
+            if any(r.get("partial") for r in record["routers"]):
+                raise interrupted_exit()
+            return
+        run = run_workload(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order, progress)
+        write_run(run.record, json_out, html, markdown)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from prefixcache.core.events import CacheEvent
 from prefixcache.sim.policy import Capacity, ReplayPolicy
-from prefixcache.sim.replay import TIMESTAMP_UNIT_S, UNLIMITED_POOL_BLOCKS, Replayer, replay
+from prefixcache.sim.replay import TIMESTAMP_UNIT_S, UNLIMITED_POOL_BLOCKS, Replayer, fewer_gc_passes, replay
 from prefixcache.sim.requests import CacheRequests
 from prefixcache.sim.results import Row, RunResult, percentile
 from prefixcache.sim.routing import ROUTING_POLICIES, ClusterIndex, LoadGuard, RoutingConfig, make_policy, prompt_keys
@@ -161,34 +161,35 @@ def cluster_replay(
     now = 0.0
     partial = False
     try:
-        for i in range(len(reqs)):
-            ts = reqs.timestamp[i]
-            if ts is not None:
-                now = ts * TIMESTAMP_UNIT_S
-            loads = {r: max(0.0, busy_until[r] - now) * rate for r in replicas}
-            matched: dict[int, int] = {}
-            blocks = reqs.lookup_blocks[i]
-            if router.uses_index:
-                ns = reqs.namespace[i]
-                if reqs.mode == "keys":
-                    matched = index.match(reqs.request_keys(i), ns, "keys")
-                else:
-                    assert reqs.prompts is not None
-                    keys = prompt_keys(reqs.prompts[i], ns, block_size=reqs.block_size)
-                    matched = index.match(keys, ns, "tokens")
-            decision = router.choose(replicas, matched, loads, blocks=blocks)
-            r = decision.replica
-            row = nodes[r].serve(i, i < first)
-            work = (row.prompt_tokens - row.cached_tokens) / rate
-            start = max(now, busy_until[r])
-            busy_until[r] = start + work
-            rows.append(row)
-            chosen.append(r)
-            reasons.append(decision.reason)
-            delays.append(start - now)
-            service.append(work)
-            if on_row is not None:
-                on_row(row, r)
+        with fewer_gc_passes():
+            for i in range(len(reqs)):
+                ts = reqs.timestamp[i]
+                if ts is not None:
+                    now = ts * TIMESTAMP_UNIT_S
+                loads = {r: max(0.0, busy_until[r] - now) * rate for r in replicas}
+                matched: dict[int, int] = {}
+                blocks = reqs.lookup_blocks[i]
+                if router.uses_index:
+                    ns = reqs.namespace[i]
+                    if reqs.mode == "keys":
+                        matched = index.match(reqs.request_keys(i), ns, "keys")
+                    else:
+                        assert reqs.prompts is not None
+                        keys = prompt_keys(reqs.prompts[i], ns, block_size=reqs.block_size)
+                        matched = index.match(keys, ns, "tokens")
+                decision = router.choose(replicas, matched, loads, blocks=blocks)
+                r = decision.replica
+                row = nodes[r].serve(i, i < first)
+                work = (row.prompt_tokens - row.cached_tokens) / rate
+                start = max(now, busy_until[r])
+                busy_until[r] = start + work
+                rows.append(row)
+                chosen.append(r)
+                reasons.append(decision.reason)
+                delays.append(start - now)
+                service.append(work)
+                if on_row is not None:
+                    on_row(row, r)
     except KeyboardInterrupt:
         partial = True
     run = RunResult(spec.capacity, pool, reqs.block_size, tuple(rows), partial)

@@ -157,6 +157,6 @@ def document(record: dict[str, Any]) -> Document:
 LOAD_NOTE = (
     "Load model: each replica prefills at a fixed rate, first come first served; a request waits for the work "
     "queued before it on its replica (queueing delay) and then takes uncached prompt tokens / rate seconds. "
-    "Decoding is not modelled. The last column is one cache of the cluster's total size fed every request: "
+    "Decoding is not modelled. The last row is one cache of the cluster's total size fed every request: "
     "the bound any routing over separate caches can reach."
 )

@@ -53,6 +53,7 @@ class _RowWatch(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         last = input_ids[:, -1].tolist()
+        sent: list[_Job] = []
         for r, job in enumerate(self.jobs):
             if self.done[r]:
                 continue
@@ -61,12 +62,20 @@ class _RowWatch(StoppingCriteria):
                 continue
             tok = last[r]
             job.tokens.append(tok)
-            job.send([tok])
+            sent.append(job)
             if tok in self.eos:
                 self.done[r], job.finish = True, "stop"
             elif len(job.tokens) >= job.call.max_tokens:
                 self.done[r], job.finish = True, "length"
+        if sent:  # one wake-up of the event loop per step, not one per row
+            sent[0].loop.call_soon_threadsafe(_deliver, [(job, [job.tokens[-1]]) for job in sent])
         return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
+
+
+def _deliver(items: list[tuple[_Job, list[int]]]) -> None:
+    """On the event loop: hand each job its new tokens (the rows of one batch share one loop)."""
+    for job, item in items:
+        job.out.put_nowait(item)
 
 
 class Batcher:

@@ -130,7 +130,9 @@ def replay(
     A KeyboardInterrupt stops the replay; what ran comes back with ``partial=True`` (pins are always released).
     """
     if scenario.trace is not None:
-        raise ReplayError("hash-id traces have no tokens; they can only be simulated")
+        raise ReplayError(
+            "hash-id traces have no tokens; a model cannot replay them (use prefixcache simulate, plan or explain)"
+        )
     if loaded is None:
         try:
             loaded = load_model(model, dtype=dtype, device=device, seed=seed)

@@ -118,7 +118,7 @@ def test_bad_yaml_names_line_and_key(tmp_path):
 
 def test_replay_refuses_a_trace():
     r = run("replay", SAMPLE)
-    assert r.exit_code == 2 and "can only be simulated" in r.output
+    assert r.exit_code == 2 and "a model cannot replay them" in r.output
 
 
 def test_ctrl_c_writes_partial_record(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def replay(
     scenario = opt.load_workload(scenario_path, None, "file")
     if scenario.trace is not None:
         raise UsageError(
-            f"{scenario_path}: hash-id traces have no tokens; they can only be simulated (prefixcache simulate)"
+            f"{scenario_path}: hash-id traces have no tokens; a model cannot replay them (use prefixcache simulate, plan or explain)"
         )
     if max_requests is not None:
         scenario = replace(scenario, requests=scenario.requests[:max_requests])

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from cli_testutil import one_line_error
 from typer.testing import CliRunner
 
 from prefixcache import cli
@@ -42,17 +43,6 @@ def _short(value: object) -> str | None:
 
 def invoke(*args: object):
     return CliRunner().invoke(cli.app, [str(a) for a in args])
-
-
-def one_line_error(r, *fragments: str) -> str:
-    """Exit 2, no traceback, stderr is exactly one `error:` line holding every fragment."""
-    assert "Traceback" not in r.output, r.output
-    assert r.exit_code == 2, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
-    return lines[0]
 
 
 def trace_with(tmp_path: Path, line: str, name: str = "t.jsonl") -> Path:

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from cli_testutil import one_line_error
 from typer.testing import CliRunner
 
 from prefixcache import cli
@@ -65,16 +66,6 @@ def invoke(*args: object):
     r = CliRunner().invoke(cli.app, [str(a) for a in args])
     assert "Traceback" not in r.output, r.output
     return r
-
-
-def one_line_error(r, *fragments: str) -> str:
-    """The run failed with exit 2 and exactly one `error:` line on stderr holding every fragment."""
-    assert r.exit_code == 2, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
-    return lines[0]
 
 
 def check_content(option: str, data: bytes) -> None:

@@ -17,11 +17,13 @@ from prefixcache.reports import cluster_report
 from prefixcache.reports.record import TOP_SITES, RunRecord, build_record
 from prefixcache.sim.cluster import DEFAULT_PREFILL_RATE, cluster_replay, global_bound
 from prefixcache.sim.diagnosis import workload_sites
+from prefixcache.sim.policy import Capacity, ReplayPolicy
 from prefixcache.sim.replay import fewer_gc_passes
 from prefixcache.sim.replay import simulate as run_simulation
 from prefixcache.sim.requests import CacheRequests, from_scenario
 from prefixcache.sim.results import RunResult
 from prefixcache.sim.routing import ROUTING_POLICIES
+from prefixcache.workload.scenario import Scenario
 
 
 @app.command()
@@ -109,6 +111,27 @@ class Simulated:
     record: RunRecord
 
 
+def _prepare(
+    source: Path,
+    capacity: list[str] | None,
+    capacity_blocks: list[int] | None,
+    block_size: int | None,
+    warmup: float,
+    eviction: str,
+    keep_for: float | None,
+    order: str,
+) -> tuple[ReplayPolicy, Scenario, int, list[Capacity], CacheRequests]:
+    """Check the replay options, load ``source`` and turn it into cache requests: (policy, scenario, block
+    size, capacities, requests). Raises UsageError/InputError for bad options or input."""
+    policy = opt.replay_policy(eviction, keep_for, warmup)
+    opt.check_block_size(block_size)
+    opt.check_order(order)
+    scenario = opt.load_workload(source, block_size, order)
+    bs = opt.block_size_of(scenario, block_size)
+    caps = opt.capacities(capacity, capacity_blocks, bs, scenario)
+    return policy, scenario, bs, caps, from_scenario(scenario, bs)
+
+
 def run_workload(
     source: Path,
     capacity: list[str] | None,
@@ -122,13 +145,9 @@ def run_workload(
 ) -> Simulated:
     """Check the simulation options, load ``source`` and replay it at every capacity (a Ctrl-C keeps the rows
     so far: the record is marked partial). Raises UsageError/InputError for bad options or input."""
-    policy = opt.replay_policy(eviction, keep_for, warmup)
-    opt.check_block_size(block_size)
-    opt.check_order(order)
-    scenario = opt.load_workload(source, block_size, order)
-    bs = opt.block_size_of(scenario, block_size)
-    caps = opt.capacities(capacity, capacity_blocks, bs, scenario)
-    reqs = from_scenario(scenario, bs)
+    policy, scenario, bs, caps, reqs = _prepare(
+        source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order
+    )
     settings = {
         "source": str(source),
         "kind": "trace" if scenario.is_trace else "scenario",
@@ -170,17 +189,13 @@ def run_cluster(
 ) -> dict[str, Any]:
     """Check the cluster options, load ``source`` and replay it through a cluster once per router, then one
     cache of the cluster's total size. Returns the cluster record. Raises UsageError/InputError."""
-    policy = opt.replay_policy(eviction, keep_for, warmup)
-    opt.check_block_size(block_size)
-    opt.check_order(order)
     routers = opt.routers(router)
-    scenario = opt.load_workload(source, block_size, order)
-    bs = opt.block_size_of(scenario, block_size)
-    caps = opt.capacities(capacity, capacity_blocks, bs, scenario)
+    policy, scenario, bs, caps, reqs = _prepare(
+        source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order
+    )
     if len(caps) != 1:
         raise UsageError("--replicas takes one capacity (per replica): one --capacity or --capacity-blocks")
     spec = opt.cluster_spec(replicas, caps[0], prefill_rate, guard_abs, guard_rel)
-    reqs = from_scenario(scenario, bs)
     summaries = []
     with run_progress(progress, lambda name: f"router {name}") as prog:
         for name in routers:

@@ -19,9 +19,9 @@ PKG = ROOT / "prefixcache"
 ORDER = ["core", "workload", "sim", "reports", "cli"]
 THIRD_PARTY = {
     "core": {"numpy", "xxhash", "sortedcontainers"},
-    "workload": {"yaml"},
+    "workload": {"yaml", "orjson"},
     "sim": set(),
-    "reports": {"rich", "matplotlib"},
+    "reports": {"rich", "matplotlib", "orjson"},
     "cli": {"typer", "rich", "click"},
 }
 LAZY_ONLY = {"cli": {"engine", "fastapi", "uvicorn", "ray", "httpx", "openai", "prometheus_client"}}

@@ -81,7 +81,7 @@ class MatchResult:
         return _ids_tuple(self._runs)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CommitResult:
     """What ``commit`` inserted: fill ``block_ids`` with the KV of blocks ``first_block ...`` of the sequence."""
 
@@ -89,6 +89,12 @@ class CommitResult:
     cached_blocks: int  # blocks of the sequence cached now, from its start
     not_cached: int  # full blocks that did not fit in the pool
     _new: BlockIds = field(repr=False, compare=False)
+
+    def __init__(self, first_block: int, cached_blocks: int, not_cached: int, _new: BlockIds) -> None:
+        # The fields go straight into the instance dict: the generated frozen __init__ sets each one through
+        # object.__setattr__, twice the cost, and a replay makes one CommitResult per request.
+        d = self.__dict__
+        d["first_block"], d["cached_blocks"], d["not_cached"], d["_new"] = first_block, cached_blocks, not_cached, _new
 
     @cached_property
     def block_ids(self) -> tuple[int, ...]:
@@ -229,7 +235,7 @@ class PrefixCache:
         ``commit_keys(handle, keep_for=)``, ``release(handle)``, with the very same effects (cache, stats,
         events), without their handle checks and match result. Returns the match's cached tokens and cached
         blocks, and the commit's result."""
-        keys, nb, n = self._keys_prompt(keys, namespace, None, num_tokens)
+        keys, nb, n = self._keys_prompt(keys, namespace, None, num_tokens, copy=False)
         path = self.tree.walk_keys(self.tree.roots.get(("keys", namespace)), keys, nb)
         handle, _runs, hit, cached_tokens = self._pin_match("keys", namespace, path, keys, n, nb, nb, nb)
         try:  # match walked every key and nothing changed since: the commit starts where the match ended
@@ -240,10 +246,18 @@ class PrefixCache:
         return cached_tokens, hit, c
 
     def _keys_prompt(
-        self, keys: Sequence[Any], namespace: str, max_blocks: int | None, num_tokens: int | None
+        self,
+        keys: Sequence[Any],
+        namespace: str,
+        max_blocks: int | None,
+        num_tokens: int | None,
+        *,
+        copy: bool = True,
     ) -> tuple[list[Any], int, int]:
-        """Checked keys of a request: (the keys, how many may hit, its prompt tokens)."""
-        keys = list(keys)
+        """Checked keys of a request: (the keys as a list, how many may hit, its prompt tokens). ``copy=False``:
+        a list is used as it is (for a caller that keeps no reference to it past the call)."""
+        if copy or type(keys) is not list:
+            keys = list(keys)
         if not keys:
             raise ValueError("keys is empty: a request needs at least one block")
         check_str(namespace, "namespace")
@@ -464,10 +478,10 @@ class PrefixCache:
                 # the walk. Equal keys must mean equal prefixes, so the new blocks are not cached.
                 fit = 0
             else:
-                short = want - self.allocator.num_free
-                if short > 0:
-                    self._evict(short, events)
-                fit = min(want, self.allocator.num_free)
+                free = self.allocator.num_free
+                if want > free:
+                    free += self._evict(want - free, events)
+                fit = min(want, free)
             if fit > 0:
                 new_ids = self.allocator.allocate(fit)
                 parent = terminal if terminal is not None else tree.root(mode, namespace)  # after evicting

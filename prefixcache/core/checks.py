@@ -10,9 +10,12 @@ import numpy as np
 def check_int(value: Any, name: str, *, minimum: int | None = None, type_error: type[Exception] = TypeError) -> int:
     """``value`` as a Python int. Accepts ``int`` and numpy integers, refuses bools and anything else with
     ``type_error``; raises ValueError when below ``minimum``. The message names ``name`` and the value."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if type(value) is int:  # the common case, checked first
+        out = value
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise type_error(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    out = int(value)
+    else:
+        out = int(value)
     if minimum is not None and out < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {out}")
     return out

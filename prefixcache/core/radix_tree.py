@@ -398,13 +398,15 @@ class RadixTree:
         Returns the freed block ids in eviction order, the tail block first (a view; never written to)."""
         assert not node.children and node.parent is not None and 0 < n <= len(node.blocks)
         self.generation += 1
-        keep = len(node.blocks) - n
-        freed = node.blocks[keep:][::-1]
+        blocks = node.blocks
+        keep = len(blocks) - n
         if keep == 0:
+            freed = blocks[::-1]
             del node.parent.children[node.key]
             node.blocks = EMPTY_IDS
         else:
-            node.blocks = compact(node.blocks[:keep])
+            freed = blocks[: keep - 1 : -1]  # blocks[keep:] reversed, in one slice
+            node.blocks = compact(blocks[:keep])
             if node.tokens is not None:
                 node.last_hash = None
                 self._compact_tokens(node)

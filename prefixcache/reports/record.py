@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from prefixcache.core.errors import InputError, shown
 from prefixcache.reports.output import write_output
 from prefixcache.sim.diagnosis import DivergenceSite
@@ -113,8 +115,14 @@ def to_json(record: RunRecord) -> dict[str, Any]:
 
 
 def save_record(record: RunRecord, path: str | Path) -> str:
-    """Write the record as JSON ("-": standard output). Changes the file at ``path``; returns where it went."""
-    return write_output(path, json.dumps(to_json(record), separators=(",", ":")) + "\n")
+    """Write the record as compact JSON ("-": standard output; orjson: a Mooncake record is megabytes of row
+    columns, 5x faster than the stdlib encoder). Changes the file at ``path``; returns where it went."""
+    doc = to_json(record)
+    try:
+        data: str | bytes = orjson.dumps(doc, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # an integer beyond 64 bits (a capacity of 10**18 blocks, in tokens): the stdlib writes any
+        data = json.dumps(doc, separators=(",", ":")) + "\n"
+    return write_output(path, data)
 
 
 # ---- reading ---------------------------------------------------------------------------------------------

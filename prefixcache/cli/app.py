@@ -1,4 +1,8 @@
-"""The typer app every command registers on, the exit codes, and the one place user errors become one line."""
+"""The typer app every command registers on, the exit codes, and the one place user errors become one line.
+
+The modules that define commands do not use ``from __future__ import annotations``: typer reads every
+command's signature on every invocation, and evaluating string annotations made that about 13 ms of each run
+instead of 4 (``tests/test_cli.py`` checks it)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """``prefixcache explain``: why prefill was not saved — uncached tokens by cause, the top divergence points and
 the fix each cause suggests, for a scenario or trace (simulated with the usual options) or a saved run."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import Annotated, Any

@@ -4,8 +4,6 @@ capacity (blocks, tokens, GB) that reaches 50/70/90% of the achievable hit rate.
 Validates options and hands off to prefixcache.sim.plan (computing) and prefixcache.reports.plan_report.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 

@@ -1,7 +1,5 @@
 """``prefixcache replay``: a scenario through a real model, cached and uncached (engine imported lazily)."""
 
-from __future__ import annotations
-
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated

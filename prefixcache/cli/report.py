@@ -1,7 +1,5 @@
 """``prefixcache report``: render a saved run record."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Any
 

@@ -2,8 +2,6 @@
 prefix-aware routing. ``register(app)`` adds it to the typer app. The engine, FastAPI and Ray are imported
 only inside the command; a missing extra is one line naming what to install, exit status 2."""
 
-from __future__ import annotations
-
 import importlib
 
 import typer

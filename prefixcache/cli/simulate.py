@@ -1,7 +1,5 @@
 """``prefixcache simulate``: a scenario or trace through the prefix cache without a model."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any

@@ -66,19 +66,23 @@ class LruStack:
         the stack: every block of ``path`` is now touched by ``i``.
         """
         prev = self.last[path]
-        if len(prev) <= SHORT:  # a Python loop beats a handful of numpy calls on short paths
-            bounds, owners = [], []
-            last = -2
-            seen = 0
-            for t in prev.tolist():
-                if t < 0:  # a prefix: a seen block's parent was seen
-                    break
-                if t != last:
-                    bounds.append(seen)
-                    owners.append(t)
-                    last = t
-                seen += 1
-            bounds.append(seen)
+        if len(prev) <= SHORT:  # list operations beat a handful of numpy calls on short paths
+            lst = prev.tolist()
+            seen = lst.index(-1) if -1 in lst else len(lst)  # a prefix: a seen block's parent was seen
+            if not seen:
+                bounds, owners = [0], []
+            elif lst[0] == lst[seen - 1]:  # one owner (non-increasing along the path): the common case
+                bounds, owners = [0, seen], [lst[0]]
+            else:
+                bounds, owners = [], []
+                last = -2
+                for d in range(seen):
+                    t = lst[d]
+                    if t != last:
+                        bounds.append(d)
+                        owners.append(t)
+                        last = t
+                bounds.append(seen)
         else:
             seen = int(np.count_nonzero(prev >= 0))
             if seen:

@@ -67,11 +67,12 @@ class Replayer:
         if ts is not None:
             self.now = ts * TIMESTAMP_UNIT_S
         ns = reqs.namespace[i]
+        n = reqs.prompt_tokens[i]
         stats = cache.stats
         evicted0 = stats.blocks_evicted
         if reqs.mode == "keys":
             keys = reqs.request_keys(i)
-            cached, hit, c = cache.serve_keys(keys, ns, num_tokens=reqs.prompt_tokens[i], keep_for=self.policy.keep_for)
+            cached, hit, c = cache.serve_keys(keys, ns, num_tokens=n, keep_for=self.policy.keep_for)
         else:
             assert reqs.prompts is not None and reqs.commits is not None
             m = cache.match(reqs.prompts[i], ns)
@@ -85,7 +86,7 @@ class Replayer:
             (
                 i,
                 ns,
-                reqs.prompt_tokens[i],
+                n,
                 cached,
                 reqs.lookup_blocks[i],
                 hit,

@@ -4,8 +4,9 @@ cache of N x C blocks (prefixcache.sim.cluster; model-free, load modelled in tim
 For both shipped traces at 4 replicas x 2,500 blocks and 8 replicas x 1,250 blocks (10,000 blocks of 512
 tokens in all, file order) and each prefill rate given: every router's token hit rate, the share of the gap
 between round robin and the global bound it closes, per-replica busy time max/min and the p99 queueing delay
-against least_loaded's. The issue's targets for ``prefix_balanced``: >= 95% of the gap, p99 queueing within
-1.1x least_loaded's, busy max/min <= 1.25. Reference (an independent replay, issue 11): conversation trace,
+against least_loaded's (``prefix_balanced`` with the simulator's defaults: load guard 131,072 tokens and 1.5x,
+near 3,000 tokens; see prefixcache.sim.cluster). The issue's targets for ``prefix_balanced``: >= 95% of the
+gap, p99 queueing within 1.1x least_loaded's, busy max/min <= 1.25. Reference (an independent replay, issue 11): conversation trace,
 round robin over 4 x 2,500 blocks 9.1%, one cache of 10,000 blocks 21.6% (2.37x); Mooncake's paper (FAST'25,
 Fig. 10) reports a global cache at 2.22x (conversation) and 2.36x (synthetic) local caches.
 

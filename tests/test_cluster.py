@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache.cli import app
-from prefixcache.sim.cluster import ClusterSpec, LoadModel, cluster_replay, global_bound
+from prefixcache.sim.cluster import DEFAULT_NEAR_TOKENS, ClusterSpec, LoadModel, cluster_replay, global_bound
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.replay import replay
 from prefixcache.sim.requests import from_scenario, from_trace
@@ -67,6 +67,27 @@ def test_prefix_routers_follow_the_history_and_balance_work():
     assert pb["reasons"].get("prefix", 0) > 0
 
 
+def test_near_reaches_the_router():
+    # request 0 (10 blocks) is cold and lands on replica 0; long after (both idle) request 1 shares only its
+    # first block with it: 1 of 11 blocks is short of min_match. near = 0: the least loaded in turn (replica
+    # 1, nothing cached); the default near: the idle replica holding that block (replica 0, 16 tokens cached)
+    tr = trace_from_lists([list(range(1, 11)), [1, *range(20, 30)]], block_size=16, timestamp=[0, 10_000_000])
+    plain = cluster_replay(from_trace(tr), ClusterSpec(2, Capacity(100), near=0.0))
+    assert plain.replica == (0, 1) and plain.reason == ("cold", "short")
+    assert [row.cached_tokens for row in plain.run.rows] == [0, 0]
+    spec = ClusterSpec(2, Capacity(100))
+    assert spec.near == DEFAULT_NEAR_TOKENS == 3_000.0
+    near = cluster_replay(from_trace(tr), spec)
+    assert near.replica == (0, 0) and near.reason == ("cold", "short")
+    assert [row.cached_tokens for row in near.run.rows] == [0, 16]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "3000", True])
+def test_cluster_spec_rejects_a_bad_near(bad):
+    with pytest.raises(ValueError, match="near"):
+        ClusterSpec(2, Capacity(100), near=bad)
+
+
 @pytest.mark.parametrize(
     ("name", "rr_rate", "bound_rate"),
     [("mooncake_conversation_trace.jsonl.gz", 0.091, 0.216)],  # issue 11's independent replay: 9.1% and 21.6%
@@ -103,7 +124,24 @@ def test_simulate_replicas_cli_and_report(tmp_path):
     assert "data:image/png;base64," in (tmp_path / "c.html").read_text()
     r = CliRunner().invoke(app, ["report", str(out)])
     assert r.exit_code == 0 and "prefix_balanced" in r.output
+    assert rec["settings"]["near_tokens"] == 3_000.0
     r = CliRunner().invoke(app, ["simulate", str(HEAD), "--replicas", "2", "-c", "51200", "-c", "102400"])
     assert r.exit_code == 2 and "one capacity" in r.output
     r = CliRunner().invoke(app, ["simulate", str(HEAD), "--replicas", "2", "--capacity-blocks", "9", "--router", "x"])
     assert r.exit_code == 2 and "unknown" in r.output
+
+
+def test_simulate_near_tokens_option(tmp_path):
+    out = tmp_path / "cluster.json"
+    base = ["simulate", str(HEAD), "--replicas", "2", "--capacity-blocks", "50", "--no-progress"]
+    r = CliRunner().invoke(app, [*base, "--router", "prefix_balanced", "--near-tokens", "0", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    assert rec["settings"]["near_tokens"] == 0.0
+    r = CliRunner().invoke(app, ["report", str(out), "--markdown", str(tmp_path / "c.md")])
+    assert r.exit_code == 0, r.output
+    md = (tmp_path / "c.md").read_text()  # the Settings table, beside the guard
+    assert "guard" in md and "near_tokens" in md
+    for bad in ("-1", "nan"):
+        r = CliRunner().invoke(app, [*base, "--near-tokens", bad])
+        assert r.exit_code == 2 and "--near-tokens" in r.output, r.output

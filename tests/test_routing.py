@@ -205,6 +205,72 @@ def test_load_guard_rejects_bad_thresholds():
         RoutingConfig(min_match=1.5)
 
 
+@pytest.mark.parametrize("near", [-1.0, -1e-9, float("nan"), float("inf")])
+def test_near_must_be_finite_and_not_negative(near):
+    with pytest.raises(ValueError, match="near"):
+        RoutingConfig(near=near)
+
+
+def test_a_short_prefix_settles_near_ties():
+    """A short request goes, among the replicas within ``near`` of the least load, to the longest holder."""
+    replicas = ["idle", "holder", "far"]
+    matched = {"holder": 2, "far": 3}  # 3 of 20 blocks: below min_match 0.3, so "short"
+    near = make_policy("prefix_balanced", RoutingConfig(min_match=0.3, near=10))
+    assert near.choose(replicas, matched, {"holder": 8, "far": 10.5}, blocks=20) == Decision("holder", 2, "short")
+    # "far" holds more but is 10.5 above the least: just outside near; at exactly 10 above it is inside
+    assert near.choose(replicas, matched, {"holder": 20, "far": 10.5}, blocks=20) == Decision("idle", 0, "short")
+    assert near.choose(replicas, matched, {"holder": 8, "far": 10}, blocks=20) == Decision("far", 3, "short")
+    # holders of the same length: the least loaded of them, then in turn
+    same = {"holder": 2, "far": 2}
+    assert near.choose(replicas, same, {"holder": 7, "far": 3}, blocks=20) == Decision("far", 2, "short")
+    assert [near.choose(replicas, same, {"idle": 9}, blocks=20).replica for _ in range(3)] == [
+        "holder",
+        "far",
+        "holder",
+    ]
+    # near = 0 (the default): the least loaded, whatever the others hold, as before
+    plain = make_policy("prefix_balanced", RoutingConfig(min_match=0.3))
+    assert plain.choose(replicas, matched, {"holder": 8, "far": 10}, blocks=20) == Decision("idle", 0, "short")
+    # a long enough prefix is followed whatever near says; a cold request still goes to the least loaded
+    assert near.choose(replicas, {"far": 6}, {"far": 10}, blocks=20) == Decision("far", 6, "prefix")
+    assert near.choose(replicas, {}, {"idle": 3, "holder": 1, "far": 2}, blocks=20) == Decision("holder", 0, "cold")
+
+
+def test_the_guard_ignores_near():
+    """Unbalanced loads route purely by load: near does not let a holder within near of the least win."""
+    policy = make_policy("prefix_balanced", RoutingConfig(LoadGuard(2, 1.5), min_match=0.3, near=10))
+    loads = {"idle": 0.0, "holder": 1.0, "busy": 100.0}
+    d = policy.choose(["idle", "holder", "busy"], {"holder": 2}, loads, blocks=20)
+    assert d == Decision("idle", 0, "load")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 3), min_size=3, max_size=3),
+            st.lists(st.sampled_from([0.0, 1.0, 2.0, 5.0]), min_size=3, max_size=3),
+            st.integers(1, 30),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_near_zero_routes_cold_and_short_requests_exactly_as_least_loaded(steps):
+    """With near = 0, prefix_balanced's cold and short requests take the very replicas (turns included) that
+    least_loaded gives, as before near existed."""
+    replicas = ["a", "b", "c"]
+    balanced = make_policy("prefix_balanced", RoutingConfig(LoadGuard(1e9, 1.5), min_match=1.0))
+    ll = make_policy("least_loaded")
+    for matched_list, load_list, blocks in steps:
+        matched = {r: m for r, m in zip(replicas, matched_list) if m}
+        loads = dict(zip(replicas, load_list))
+        blocks = max(blocks, max(matched_list) + 1)  # min_match 1.0: every request is cold or short
+        d = balanced.choose(replicas, matched, loads, blocks=blocks)
+        assert d.reason in ("cold", "short")
+        assert d.replica == ll.choose(replicas, matched, loads, blocks=blocks).replica
+
+
 def test_a_short_held_prefix_does_not_bind_the_request():
     """prefix_balanced follows a held prefix only when it covers min_match of the request; prefix always does."""
     balanced = make_policy("prefix_balanced", RoutingConfig(min_match=0.3))
@@ -218,19 +284,52 @@ def test_a_short_held_prefix_does_not_bind_the_request():
     assert pure.choose(["holder", "idle"], {"holder": 1}, loads, blocks=40) == Decision("holder", 1, "prefix")
 
 
-@settings(max_examples=300, deadline=None)
+def _reference(name, replicas, matched, loads, blocks, config):
+    """Brute force of each policy's first decision (a fresh policy gives a tie to the first of the tied):
+    (replica, reason)."""
+
+    def least(pool):
+        return min(pool, key=lambda r: loads[r])  # min() keeps the first of equals
+
+    if name == "round_robin":
+        return replicas[0], "round_robin"
+    if name == "least_loaded":
+        return least(replicas), "least_loaded"
+    balanced = name == "prefix_balanced"
+    if balanced and config.guard.unbalanced(loads.values()):
+        return least(replicas), "load"
+    best = max(matched.values())
+    if best == 0:
+        return least(replicas), "cold"
+    if balanced and blocks is not None and best < config.min_match * blocks:
+        if config.near == 0:
+            return least(replicas), "short"
+        near = [r for r in replicas if loads[r] <= min(loads.values()) + config.near]
+        longest = max(matched[r] for r in near)
+        return least([r for r in near if matched[r] == longest]), "short"
+    return least([r for r in replicas if matched[r] == best]), "prefix"
+
+
+@settings(max_examples=500, deadline=None)
 @given(
     st.lists(st.integers(0, 6), min_size=1, max_size=5),
-    st.lists(st.floats(0, 200, allow_nan=False), min_size=5, max_size=5),
+    # loads: any, or small whole numbers (balanced under the guard, exact ties, near ties)
+    st.lists(st.one_of(st.floats(0, 200, allow_nan=False), st.integers(0, 40).map(float)), min_size=5, max_size=5),
     st.sampled_from(list(ROUTING_POLICIES)),
+    st.one_of(st.none(), st.integers(1, 30)),
+    st.sampled_from([0.0, 5.0, 30.0, 1000.0]),
 )
-def test_policy_properties(matched_list, load_list, name):
+def test_policy_properties(matched_list, load_list, name, blocks, near):
     replicas = [f"r{i}" for i in range(len(matched_list))]
     matched = dict(zip(replicas, matched_list))
     loads = dict(zip(replicas, load_list))
     guard = LoadGuard(20, 1.5)
-    d = make_policy(name, RoutingConfig(guard, min_match=0.3)).choose(replicas, matched, loads)  # length unknown
+    config = RoutingConfig(guard, min_match=0.3, near=near)
+    d = make_policy(name, config).choose(replicas, matched, loads, blocks=blocks)
     assert d.replica in replicas and d.matched_blocks == matched[d.replica]
+    assert (d.replica, d.reason) == _reference(name, replicas, matched, loads, blocks, config)
+    if blocks is not None:
+        return  # the properties below are for a request of unknown length (no "short")
     unbalanced = guard.unbalanced(loads.values())
     if name == "least_loaded" or (name == "prefix_balanced" and unbalanced):
         assert loads[d.replica] == min(loads.values())
@@ -240,6 +339,24 @@ def test_policy_properties(matched_list, load_list, name):
         ties = [r for r in replicas if matched[r] == best]
         assert loads[d.replica] == min(loads[r] for r in ties)
         assert d.reason == ("prefix" if best else "cold")
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=5),
+    st.lists(st.one_of(st.integers(0, 30).map(float), st.floats(0, 30, allow_nan=False)), min_size=5, max_size=5),
+    st.one_of(st.none(), st.integers(1, 20)),
+    st.sampled_from([0.0, 0.5, 3.0, 10.0, 100.0]),
+)
+def test_prefix_balanced_near_against_the_brute_force(matched_list, load_list, blocks, near):
+    """The same reference, on loads close enough that the guard seldom fires and near ties are common."""
+    replicas = [f"r{i}" for i in range(len(matched_list))]
+    matched = dict(zip(replicas, matched_list))
+    loads = dict(zip(replicas, load_list))
+    config = RoutingConfig(LoadGuard(20, 1.5), min_match=0.3, near=near)
+    d = make_policy("prefix_balanced", config).choose(replicas, matched, loads, blocks=blocks)
+    assert d.matched_blocks == matched[d.replica]
+    assert (d.replica, d.reason) == _reference("prefix_balanced", replicas, matched, loads, blocks, config)
 
 
 def test_the_simulator_path_routes_a_trace_by_prefix():

@@ -166,14 +166,20 @@ def routers(names: list[str] | None) -> list[str]:
 
 
 def cluster_spec(
-    replicas: int, capacity: Capacity, prefill_rate: float, guard_abs: float | None, guard_rel: float | None
+    replicas: int,
+    capacity: Capacity,
+    prefill_rate: float,
+    guard_abs: float | None,
+    guard_rel: float | None,
+    near_tokens: float | None,
 ) -> ClusterSpec:
     """The cluster options as a ClusterSpec; UsageError names the bad option."""
     try:
         load = LoadModel(prefill_rate)
     except ValueError as exc:
         raise UsageError(f"--prefill-rate: {exc}") from None
-    default = ClusterSpec(replicas, capacity).guard
+    defaults = ClusterSpec(replicas, capacity)
+    default = defaults.guard
     try:
         guard = LoadGuard(
             default.abs_threshold if guard_abs is None else guard_abs,
@@ -181,4 +187,8 @@ def cluster_spec(
         )
     except ValueError as exc:
         raise UsageError(f"--guard-abs/--guard-rel: {exc}") from None
-    return ClusterSpec(replicas, capacity, guard=guard, load=load)
+    near = defaults.near if near_tokens is None else near_tokens
+    try:
+        return ClusterSpec(replicas, capacity, guard=guard, load=load, near=near)
+    except ValueError as exc:
+        raise UsageError(f"--near-tokens: {exc}") from None

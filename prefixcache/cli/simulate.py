@@ -13,7 +13,7 @@ from prefixcache.cli.console import run_progress
 from prefixcache.cli.outputs import write_cluster, write_run
 from prefixcache.reports import cluster_report
 from prefixcache.reports.record import TOP_SITES, RunRecord, build_record
-from prefixcache.sim.cluster import DEFAULT_PREFILL_RATE, cluster_replay, global_bound
+from prefixcache.sim.cluster import DEFAULT_NEAR_TOKENS, DEFAULT_PREFILL_RATE, cluster_replay, global_bound
 from prefixcache.sim.diagnosis import workload_sites
 from prefixcache.sim.policy import Capacity, ReplayPolicy
 from prefixcache.sim.replay import fewer_gc_passes
@@ -65,6 +65,14 @@ def simulate(
     guard_rel: Annotated[
         float | None, typer.Option("--guard-rel", help="Load guard: relative queue difference (default 1.5).")
     ] = None,
+    near_tokens: Annotated[
+        float | None,
+        typer.Option(
+            "--near-tokens",
+            help="prefix_balanced: a short held prefix picks among replicas within this many queued tokens of the "
+            f"least loaded (default {DEFAULT_NEAR_TOKENS:,.0f}; 0: plain least loaded).",
+        ),
+    ] = None,
 ) -> None:
     """Replay a scenario or trace through the prefix cache without a model: hit rates, evictions, occupancy,
     and why prefill was not saved (miss causes, divergence points).
@@ -92,6 +100,7 @@ def simulate(
                 prefill_rate,
                 guard_abs,
                 guard_rel,
+                near_tokens,
             )
             write_cluster(record, json_out, html, markdown)
             if any(r.get("partial") for r in record["routers"]):
@@ -184,6 +193,7 @@ def run_cluster(
     prefill_rate: float,
     guard_abs: float | None,
     guard_rel: float | None,
+    near_tokens: float | None,
 ) -> dict[str, Any]:
     """Check the cluster options, load ``source`` and replay it through a cluster once per router, then one
     cache of the cluster's total size. Returns the cluster record. Raises UsageError/InputError."""
@@ -193,7 +203,7 @@ def run_cluster(
     )
     if len(caps) != 1:
         raise UsageError("--replicas takes one capacity (per replica): one --capacity or --capacity-blocks")
-    spec = opt.cluster_spec(replicas, caps[0], prefill_rate, guard_abs, guard_rel)
+    spec = opt.cluster_spec(replicas, caps[0], prefill_rate, guard_abs, guard_rel, near_tokens)
     summaries = []
     with run_progress(progress, lambda name: f"router {name}") as prog:
         for name in routers:
@@ -212,6 +222,7 @@ def run_cluster(
         "capacity_blocks_per_replica": caps[0].blocks,
         "prefill_rate": spec.load.prefill_rate,
         "guard": {"abs_threshold": spec.guard.abs_threshold, "rel_threshold": spec.guard.rel_threshold},
+        "near_tokens": spec.near,
         "eviction": policy.eviction,
         "keep_for": policy.keep_for,
         "warmup": policy.warmup,

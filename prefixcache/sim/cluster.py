@@ -9,10 +9,14 @@ router runs) picks a replica per request from it and from the replicas' loads.
 serves its requests first come, first served. A request arriving at its timestamp with ``u`` uncached prompt
 tokens on the chosen replica starts when that replica has finished the work queued before it and takes
 ``u / rate`` seconds. A replica's load, as the router sees it at a request's arrival, is the prefill work it
-has not finished yet, in tokens. Decoding is not modelled (prefix caching changes only prefill); requests
-without a timestamp arrive with the previous one. Reported: per-replica requests, prefill tokens and busy
-time (their max/min), the queueing delay (p50/p99), and the cluster's token hit rate beside one global cache
-of N x C blocks (the bound any routing of N separate caches can reach).
+has not finished yet, in tokens, so ``prefix_balanced``'s thresholds are tokens too: the load guard at
+``DEFAULT_GUARD_TOKENS`` (and 1.5x), and ``near`` at ``DEFAULT_NEAR_TOKENS``: a request whose longest held
+prefix is too short to follow (under ``min_match``) goes, among the replicas within ``near`` tokens of the least
+loaded, to the one holding the longest prefix (``prefixcache.sim.routing.RoutingConfig``). Decoding is not
+modelled (prefix caching changes only prefill); requests without a timestamp arrive with the previous one.
+Reported: per-replica requests, prefill tokens and busy time (their max/min), the queueing delay (p50/p99),
+and the cluster's token hit rate beside one global cache of N x C blocks (the bound any routing of N separate
+caches can reach).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from prefixcache.sim.routing import ROUTING_POLICIES, ClusterIndex, LoadGuard, R
 
 DEFAULT_PREFILL_RATE = 10_000.0  # tokens per second per replica
 DEFAULT_GUARD_TOKENS = 131_072.0  # the load guard's absolute threshold here: loads are tokens of queued prefill
+DEFAULT_NEAR_TOKENS = 3_000.0  # RoutingConfig.near here: a short prefix settles loads this close (tokens)
 
 
 @dataclass(frozen=True)
@@ -47,13 +52,18 @@ class LoadModel:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """A cluster to simulate: ``replicas`` caches of ``capacity`` each, routed by ``router``."""
+    """A cluster to simulate: ``replicas`` caches of ``capacity`` each, routed by ``router``.
+
+    ``guard`` and ``near`` (tokens of queued prefill, the router's load here) go into the router's
+    ``RoutingConfig``: a cold or short request goes, among the replicas loaded at most ``near`` tokens above the
+    least loaded, to the one holding the longest prefix (0: plain least loaded)."""
 
     replicas: int
     capacity: Capacity
     router: str = "prefix_balanced"
     guard: LoadGuard = field(default_factory=lambda: LoadGuard(DEFAULT_GUARD_TOKENS, 1.5))
     load: LoadModel = field(default_factory=LoadModel)
+    near: float = DEFAULT_NEAR_TOKENS
 
     def __post_init__(self) -> None:
         n = self.replicas
@@ -61,6 +71,9 @@ class ClusterSpec:
             raise ValueError(f"replicas must be an integer >= 1, got {n!r}")
         if self.router not in ROUTING_POLICIES:
             raise ValueError(f"unknown router {self.router!r}; known: {', '.join(ROUTING_POLICIES)}")
+        d = self.near
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (d >= 0 and math.isfinite(d)):
+            raise ValueError(f"near must be a finite number >= 0 of tokens of queued prefill, got {d!r}")
 
 
 @dataclass(frozen=True)
@@ -142,7 +155,7 @@ def cluster_replay(
     ``on_row(row, replica)`` sees each served request. Changes nothing outside the replay."""
     n = spec.replicas
     pool = UNLIMITED_POOL_BLOCKS if spec.capacity.blocks is None else spec.capacity.blocks
-    router = make_policy(spec.router, RoutingConfig(guard=spec.guard))
+    router = make_policy(spec.router, RoutingConfig(guard=spec.guard, near=spec.near))
     index: ClusterIndex[int] = ClusterIndex()
     replicas = list(range(n))
     nodes = [Replayer(reqs, pool, policy) for _ in replicas]

@@ -15,11 +15,17 @@ A policy turns "how many leading blocks each replica holds" and "how loaded each
 the caller supplies: queue lengths, outstanding prefill tokens, ...) into a ``Decision``. ``ROUTING_POLICIES``
 names them: ``round_robin``, ``least_loaded``, ``prefix`` (longest held prefix) and ``prefix_balanced``, after
 SGLang's cache-aware router: the longest held prefix, unless the ``LoadGuard`` finds the replicas too
-unbalanced or the longest held prefix covers less than ``min_match`` of the request (then the least loaded).
+unbalanced (then the least loaded) or no replica holds any of the request ("cold") or the longest held prefix
+covers less than ``min_match`` of it ("short"). Those go to the least loaded replica, except that with
+``near`` > 0 a short held prefix settles near ties: among the replicas whose load is at most the least load +
+``near``, the one holding the longest prefix (ties: least loaded, then in turn). A short prefix then keeps its
+requests together where that costs at most ``near`` of load; a cold request still goes to the least loaded,
+and the guard's branch stays purely least loaded (as SGLang's).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -223,14 +229,21 @@ class RoutingConfig:
     min_match: ``prefix_balanced`` follows a held prefix only when it covers at least this fraction of the
                request's blocks; a shorter one (say a template's first block that every tenant's request starts
                with) would otherwise pull unrelated requests onto one replica.
+    near:      in the caller's load units (queued requests, tokens of queued prefill, ...): a cold or short
+               request goes, among the replicas whose load is at most the least load + ``near``, to the one
+               holding the longest prefix (ties: least loaded, then in turn). 0 (the default): only exact ties,
+               in turn, i.e. plain least loaded as before, so the Ray router is unchanged unless it is set.
     """
 
     guard: LoadGuard = LoadGuard()
     min_match: float = 0.3
+    near: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_match <= 1:
             raise ValueError(f"RoutingConfig.min_match must be in [0, 1], got {self.min_match!r}")
+        if not (math.isfinite(self.near) and self.near >= 0):
+            raise ValueError(f"RoutingConfig.near must be a finite number >= 0, got {self.near!r}")
 
 
 @dataclass(frozen=True)
@@ -318,14 +331,26 @@ class LeastLoaded:
 class PrefixAffinity:
     """The replica holding the longest prefix of the request (ties: least loaded, then in turn); a request
     nobody holds goes to the least loaded replica. With a ``guard``, unbalanced loads route by load instead;
-    with ``min_match``, so does a request whose longest held prefix covers less than that fraction of it."""
+    with ``min_match``, so does a request whose longest held prefix covers less than that fraction of it.
+    With ``near`` > 0, such a cold or short request goes, among the replicas loaded at most ``near`` above the
+    least, to the one holding the longest prefix (ties: least loaded, then in turn); see ``RoutingConfig``."""
 
     uses_index = True
 
-    def __init__(self, guard: LoadGuard | None = None, min_match: float = 0.0) -> None:
+    def __init__(self, guard: LoadGuard | None = None, min_match: float = 0.0, near: float = 0.0) -> None:
         self.guard = guard
         self.min_match = min_match
+        self.near = near
         self._turns = _Turns()
+
+    def _near_tie(self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float]) -> R:
+        """The least loaded replica or, with ``near`` > 0, the longest holder among the near-least loaded."""
+        if self.near <= 0:
+            return _least_loaded(replicas, loads, self._turns)
+        low = min(loads.get(r, 0.0) for r in replicas)
+        near = [r for r in replicas if loads.get(r, 0.0) <= low + self.near]
+        best = max(matched.get(r, 0) for r in near)
+        return _least_loaded([r for r in near if matched.get(r, 0) == best], loads, self._turns)
 
     def choose(
         self, replicas: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, float], *, blocks: int | None = None
@@ -336,9 +361,9 @@ class PrefixAffinity:
             return Decision(r, matched.get(r, 0), "load")
         best = max(matched.get(r, 0) for r in replicas)
         if best == 0:
-            return Decision(_least_loaded(replicas, loads, self._turns), 0, "cold")
+            return Decision(self._near_tie(replicas, matched, loads), 0, "cold")
         if blocks is not None and best < self.min_match * blocks:
-            r = _least_loaded(replicas, loads, self._turns)
+            r = self._near_tie(replicas, matched, loads)
             return Decision(r, matched.get(r, 0), "short")
         holders = [r for r in replicas if matched.get(r, 0) == best]
         return Decision(_least_loaded(holders, loads, self._turns), best, "prefix")
@@ -348,7 +373,7 @@ ROUTING_POLICIES: dict[str, Callable[[RoutingConfig], RoutingPolicy]] = {
     "round_robin": lambda config: RoundRobin(),
     "least_loaded": lambda config: LeastLoaded(),
     "prefix": lambda config: PrefixAffinity(),
-    "prefix_balanced": lambda config: PrefixAffinity(config.guard, config.min_match),
+    "prefix_balanced": lambda config: PrefixAffinity(config.guard, config.min_match, config.near),
 }
 
 

@@ -196,10 +196,13 @@ def test_fifo_is_written_in_place(tmp_path, record_file, command, option):
     try:
         r = invoke(*command_args(command, record_file), option, fifo)
     finally:
-        if reader.is_alive():  # unblock the reader if the command never opened the FIFO
-            with open(fifo, "wb"):
+        reader.join(2)
+        if reader.is_alive():  # the command never opened the FIFO: unblock the reader
+            try:  # non-blocking, so a reader that is just finishing cannot leave this open waiting forever
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # ENXIO: nobody has it open for reading any more
                 pass
-        reader.join(10)
+            reader.join(10)
     assert r.exit_code == 0, r.output
     assert stat.S_ISFIFO(fifo.stat().st_mode)  # still a FIFO, not replaced by a file
     check_content(option, got[0])

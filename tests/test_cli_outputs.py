@@ -7,6 +7,7 @@ that output), and an unwritable place is refused in one line before any work sta
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -198,10 +199,10 @@ def test_fifo_is_written_in_place(tmp_path, record_file, command, option):
     finally:
         reader.join(2)
         if reader.is_alive():  # the command never opened the FIFO: unblock the reader
-            try:  # non-blocking, so a reader that is just finishing cannot leave this open waiting forever
+            # non-blocking, so a reader that is just finishing cannot leave this open waiting forever (ENXIO
+            # then: nobody has it open for reading any more)
+            with contextlib.suppress(OSError):
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:  # ENXIO: nobody has it open for reading any more
-                pass
             reader.join(10)
     assert r.exit_code == 0, r.output
     assert stat.S_ISFIFO(fifo.stat().st_mode)  # still a FIFO, not replaced by a file

@@ -56,7 +56,12 @@ class LruStack:
     def __init__(self, num_nodes: int, num_requests: int) -> None:
         self.last = np.full(max(num_nodes, 1), -1, dtype=np.int64)  # last request that touched each node
         self.owned_start = [0] * num_requests  # request t still owns depths [owned_start[t], len_t)
-        self.fen = Fenwick(num_requests)
+        # blocks owned by the requests after t = (blocks they touched) - (blocks they lost since): the first
+        # term is a running sum taken as each request arrives, the second a Fenwick tree that changes only
+        # when a request loses blocks (far rarer than a request arriving)
+        self.added = 0  # blocks touched by the requests so far, each counted once per request
+        self.through = [0] * num_requests  # ``added`` right after request t
+        self.lost = Fenwick(num_requests)  # blocks request t no longer owns (a later request touched them)
 
     def access(self, i: int, path: np.ndarray) -> list[Run]:
         """Request ``i`` touches ``path`` (node ids, root first; requests come in increasing ``i``).
@@ -91,15 +96,17 @@ class LruStack:
                 owners = prev[bounds[:-1]].tolist()
         runs: list[Run] = []
         if seen:
-            fen, owned = self.fen, self.owned_start
-            total = fen.total
+            lost, owned, through = self.lost, self.owned_start, self.through
+            added, lost_total = self.added, lost.total
+            for k, t in enumerate(owners):
+                d0 = bounds[k]
+                above = added - through[t] - (lost_total - lost.prefix(t))  # owned by the requests after t
+                runs.append((d0, bounds[k + 1], above + (d0 - owned[t])))
             for k, t in enumerate(owners):
                 d0, d1 = bounds[k], bounds[k + 1]
-                runs.append((d0, d1, total - fen.prefix(t) + (d0 - owned[t])))
-            for k, t in enumerate(owners):
-                d0, d1 = bounds[k], bounds[k + 1]
-                fen.add(t, d0 - d1)
+                lost.add(t, d1 - d0)
                 owned[t] = d1
-        self.fen.add(i, len(path))
+        self.added += len(path)
+        self.through[i] = self.added
         self.last[path] = i
         return runs

@@ -243,10 +243,9 @@ def _leading_seen(labels: np.ndarray, offsets: np.ndarray, size: int | None) -> 
     the deepest of them (-1: none). ``labels`` name the blocks: dense ids below ``size``, or any ids (None)."""
     lens = np.diff(offsets)
     req_of = np.repeat(np.arange(len(lens)), lens)
-    if size is not None:
-        uniq, first_ref = np.unique(labels, return_index=True)
+    if size is not None:  # the first request referencing each label, without sorting
         first_req = np.full(max(size, 1), len(lens), dtype=np.int64)
-        first_req[uniq] = req_of[first_ref]
+        np.minimum.at(first_req, labels, req_of)
         by_ref = first_req[labels]
     else:
         _, first_ref, inverse = np.unique(labels, return_index=True, return_inverse=True)

@@ -39,7 +39,7 @@ from prefixcache.core.hashing import (
     token_bytes,
     xxh3_hasher,
 )
-from prefixcache.core.radix_tree import Node, RadixTree, Root, Step
+from prefixcache.core.radix_tree import Node, RadixTree, Root, Walk
 from prefixcache.core.stats import CacheStats
 
 
@@ -278,7 +278,7 @@ class PrefixCache:
             return 0
         n = len(data) // TOKEN_DTYPE.itemsize
         path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), data, (n - 1) // self.block_size)
-        return sum(s.matched for s in path) * self.block_size
+        return path.blocks * self.block_size
 
     def divergence(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE, *, context: int = 16) -> Divergence:
         """Where ``tokens`` leaves the cached paths of ``namespace`` (see ``Divergence``): token granular (block
@@ -291,13 +291,13 @@ class PrefixCache:
         root = self.tree.roots.get(("tokens", namespace))
         served = 0
         if n:
-            served = sum(s.matched for s in self.tree.walk_tokens(root, data, (n - 1) // self.block_size))
+            served = self.tree.walk_tokens(root, data, (n - 1) // self.block_size).blocks
         common, following = self.tree.nearest(root, data, context)
         nxt = tuple(np.frombuffer(following, TOKEN_DTYPE).tolist())
         return Divergence(served * self.block_size, common // TOKEN_DTYPE.itemsize, nxt)
 
     def _finish_match(
-        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int, limit: int, full: int
+        self, mode: str, namespace: str, path: Walk, prompt: Any, n: int, nblocks: int, limit: int, full: int
     ) -> MatchResult:
         """Pin and count the matched ``path`` (walked over at most ``limit`` blocks; a commit of the prompt walks
         ``full`` blocks)."""
@@ -305,10 +305,10 @@ class PrefixCache:
         return MatchResult(handle, cached_tokens, hit, tuple(runs))
 
     def _pin_match(
-        self, mode: str, namespace: str, path: list[Step], prompt: Any, n: int, nblocks: int, limit: int, full: int
+        self, mode: str, namespace: str, path: Walk, prompt: Any, n: int, nblocks: int, limit: int, full: int
     ) -> tuple[RequestHandle, list[BlockIds], int, int]:
         """``_finish_match`` without the result: (the handle, its path's block ids, cached blocks and tokens)."""
-        terminal = self._split_last(path) if path else None
+        terminal = self._split_last(path)
         self._clock += 1
         clock = self._clock
         handle = RequestHandle(next(self._ids), mode, namespace, terminal, prompt)
@@ -340,20 +340,16 @@ class PrefixCache:
         s.lookups_with_hit += hit > 0
         return handle, runs, hit, cached_tokens
 
-    def _split_last(self, path: list[Step]) -> Node:
-        last = path[-1]
-        if last.matched < len(last.node.blocks):
-            return self.tree.split(last.node, last.matched)
-        return last.node
+    def _split_last(self, path: Walk) -> Node | None:
+        """The terminal of a walked path: its last node, split where the match ends inside it."""
+        node = path.node
+        if node is not None and path.matched < len(node.blocks):
+            return self.tree.split(node, path.matched)
+        return node
 
-    def _walked(self, path: list[Step]) -> tuple[Node | None, int]:
+    def _walked(self, path: Walk) -> tuple[Node | None, int]:
         """The terminal of a walked path (splitting its last node where the match ends) and its blocks."""
-        if not path:
-            return None, 0
-        have = 0
-        for step in path:
-            have += step.matched
-        return self._split_last(path), have
+        return self._split_last(path), path.blocks
 
     # ---- commit --------------------------------------------------------------------------------------
     def commit(

@@ -127,12 +127,16 @@ class Root(Node):
         self.tree, self.mode, self.namespace = tree, mode, namespace
 
 
-class Step(NamedTuple):
-    """One node of a matched path and how many of its leading blocks matched (immutable; a NamedTuple
-    because walks make one per node on the hot path)."""
+class Walk(NamedTuple):
+    """Where a walk down the tree stopped: the deepest node it entered (None: none), how many of that node's
+    leading blocks matched, and how many blocks matched in all. The path is that node's ancestors."""
 
-    node: Node
+    node: Node | None
     matched: int
+    blocks: int
+
+
+NO_WALK = Walk(None, 0, 0)
 
 
 def common_prefix(a: bytes, a_off: int, b: memoryview, b_off: int, n: int) -> int:
@@ -272,12 +276,12 @@ class RadixTree:
         return first_block
 
     # ---- matching ----------------------------------------------------------------------------------
-    def walk_tokens(self, root: Node | None, data: memoryview, nblocks: int) -> list[Step]:
+    def walk_tokens(self, root: Node | None, data: memoryview, nblocks: int) -> Walk:
         """The longest cached path for the first ``nblocks`` blocks of token bytes ``data`` (a byte-format view).
         Changes nothing (except caching hashes in the injected-hasher mode)."""
-        path: list[Step] = []
         if root is None:
-            return path
+            return NO_WALK
+        last = NO_WALK
         bb = self.block_bytes
         end = nblocks * bb
         node: Node = root
@@ -299,12 +303,12 @@ class RadixTree:
                 m = common_prefix(ct, child.tok_start, data, off, n) // bb
             if m == 0:  # a hash collision on the first block, caught by verification
                 break
-            path.append(Step(child, m))
             off += m * bb
+            last = Walk(child, m, off // bb)
             if m < len(child.blocks):
                 break
             node = child
-        return path
+        return last
 
     def _matched_by_hash(self, parent: Node, child: Node, data: memoryview, off: int, take: int) -> int:
         """How many of ``child``'s leading blocks hash like ``data``'s blocks from byte ``off`` (injected
@@ -312,11 +316,10 @@ class RadixTree:
         mine = chain_hashes(self.hasher, self.last_hash(parent), data[off:], self.block_size, 0, take)
         return _first_mismatch(self.block_hashes(child)[:take], mine)
 
-    def walk_keys(self, root: Node | None, keys: Sequence[Any], nblocks: int) -> list[Step]:
+    def walk_keys(self, root: Node | None, keys: Sequence[Any], nblocks: int) -> Walk:
         """The longest cached path for ``keys[:nblocks]`` (precomputed block ids). Changes nothing."""
-        path: list[Step] = []
         if root is None:
-            return path
+            return NO_WALK
         node, i = root, 0
         while i < nblocks:
             child = node.children.get(keys[i])
@@ -329,12 +332,11 @@ class RadixTree:
                 m = take
             else:
                 m = _first_mismatch(ck, keys[i : i + take])
-            path.append(Step(child, m))
             i += m
             if m < len(ck):
-                break
+                return Walk(child, m, i)
             node = child
-        return path
+        return NO_WALK if node is root else Walk(node, len(node.blocks), i)
 
     # ---- structure changes -------------------------------------------------------------------------
     def split(self, node: Node, at: int) -> Node:
@@ -443,10 +445,9 @@ class RadixTree:
             return 0, b""
         bb = self.block_bytes
         tokenwise = self.verify_tokens or not self.hash_keys
-        path = self.walk_tokens(root, data, len(data) // bb)
-        off = sum(s.matched for s in path) * bb
-        last = path[-1] if path else None
-        if last is not None and last.matched < len(last.node.blocks):  # stopped inside a node
+        last = self.walk_tokens(root, data, len(data) // bb)
+        off = last.blocks * bb
+        if last.node is not None and last.matched < len(last.node.blocks):  # stopped inside a node
             node, at = last.node, last.matched * bb
             more = 0
             if tokenwise:
@@ -454,7 +455,7 @@ class RadixTree:
                 n = min(len(node.blocks) * bb - at, len(data) - off)
                 more = _whole_tokens(common_prefix(node.tokens, node.tok_start + at, data, off, n))
             return off + more, self._following(node, at + more, context)
-        node = last.node if last is not None else root
+        node = last.node if last.node is not None else root
         best: Node | None = None
         best_c = 0
         for child in node.children.values():  # at a node's end: the divergence is in (or before) a child's first block

@@ -79,6 +79,7 @@ def line6(hash_ids: str, **extra: object) -> str:
         (line6("[1, 2]", input_length=10**30), "input_length must be an integer >= 1"),
         (line6("[1, " + "9" * 5000 + "]"), "not valid JSON"),  # ValueError: int digits limit
         ('{"hash_ids": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),  # RecursionError
+        (line6("[1, 2]", session="[" * 1000 + "]" * 1000), "nested too deeply"),  # parses, too deep to show
         ("[" * 100_000, "nested too deeply"),
         ('"just a string"', "expected a JSON object, got str"),
     ],

@@ -195,6 +195,16 @@ def _parse_line(raw: str, path: Path, line: int) -> Any:
         raise InputError("not a trace line (JSON nested too deeply)", path, line) from None
 
 
+def _checked_by_stdlib(
+    raw: str, path: Path, lineno: int, block_size: int | None, bs_seen: int | None
+) -> tuple[np.ndarray, int, int, int, float, str]:
+    """``_check_line`` of the line as the stdlib's parser reads it; InputError for whatever is wrong with it."""
+    try:
+        return _check_line(_parse_line(raw, path, lineno), raw, path, lineno, block_size, bs_seen)
+    except RecursionError:  # a value nested too deeply to show in a message
+        raise InputError("not a trace line (JSON nested too deeply)", path, lineno) from None
+
+
 def _lines(f: IO[str], path: Path) -> Iterator[tuple[int, str]]:
     """(1-based line number, line) of a text file, refusing lines longer than MAX_LINE_CHARS."""
     for lineno, raw in enumerate(iter(partial(f.readline, MAX_LINE_CHARS), ""), 1):
@@ -267,10 +277,10 @@ def load_trace(path: str | Path, block_size: int | None = None) -> Trace:
                     continue
                 try:
                     line = _check_line(fast_loads(raw), raw, path, lineno, block_size, bs_seen)
-                except (orjson.JSONDecodeError, InputError):
-                    # orjson refuses NaN and reads integers beyond 64 bits as floats: the stdlib's reading of the
-                    # line says exactly what is wrong with it
-                    line = _check_line(_parse_line(raw, path, lineno), raw, path, lineno, block_size, bs_seen)
+                except (orjson.JSONDecodeError, InputError, RecursionError):
+                    # orjson refuses NaN, reads integers beyond 64 bits as floats and nests deeper than Python
+                    # can show: the stdlib's reading of the line says exactly what is wrong with it
+                    line = _checked_by_stdlib(raw, path, lineno, block_size, bs_seen)
                 arr, n_in, bs_seen, out_len, ts, ns = line
                 chunks.append(arr)
                 lens.append(len(arr))

@@ -4,7 +4,7 @@
     resend their growing history, few-shot templates, one-off prompts), block size 16, fed as numpy int32
     arrays, at a capacity that holds everything, at 25% of it, and in a 10x pool pre-filled with 9x
     unrelated cached blocks (the cost of a request must not grow with the number of cached blocks).
-(b) The Mooncake traces (../shared/data/traces) through match_keys / commit_keys, block size 512.
+(b) The Mooncake traces (scenarios/traces) through match_keys / commit_keys, block size 512.
 
 Throughput counts prompt tokens processed (match + commit + release of each request) per second of wall
 time; latency is per request. Workloads are generated before timing. "min µs/req" is the mean over requests

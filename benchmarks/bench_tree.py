@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from rich.table import Table
 
 from prefixcache import CacheConfig, CacheStats, PrefixCache
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "scenarios" / "traces"  # shipped with the repository
 VOCAB = 32_000
 
 
@@ -112,7 +113,7 @@ def load_trace(name: str) -> list[tuple[list[int], int]] | None:
     if not path.exists():
         return None
     rows = []
-    with path.open() as f:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             d = json.loads(line)
             rows.append((d["hash_ids"], int(d["input_length"])))
@@ -214,8 +215,8 @@ def main() -> None:
     rows.append(row("synthetic, 10x pool prefilled 9x", cache, *res, cached_at_start=start))
 
     for name, caps in (
-        ("mooncake_conversation_trace.jsonl", (1_000, 10_000, None)),
-        ("mooncake_synthetic_trace.jsonl", (10_000, None)),
+        ("mooncake_conversation_trace.jsonl.gz", (1_000, 10_000, None)),
+        ("mooncake_synthetic_trace.jsonl.gz", (10_000, None)),
     ):
         trace = load_trace(name)
         if trace is None:

@@ -3,25 +3,28 @@
 A run (``BlockIds``) is the ids of consecutive blocks of a prefix, in order. It is one of:
 
 * a ``range``: consecutive ids (what a fresh pool hands out): O(1) memory, O(1) slicing;
-* an int64 numpy array (ids gathered from freed runs): slicing makes views;
-* ``Runs``: a few such pieces one after the other (a large allocation that spans several freed runs),
-  sliced piece by piece. Pieces of a small run (under ``MIN_RUNS_IDS`` ids), or more than ``MAX_PIECES`` of
-  them, are copied into one array instead: per-piece Python steps cost more than copying a few ids.
+* an int64 ``array.array`` (``'q'``): a small run (under ``MIN_RUNS_IDS`` ids) gathered from several freed
+  runs, joined by C-level copies; slicing copies (a few ids: cheaper than making a numpy view);
+* an int64 numpy array: a large run gathered from more than ``MAX_PIECES`` freed runs; slicing makes views;
+* ``Runs``: a few such pieces one after the other (a large allocation that spans up to ``MAX_PIECES`` freed
+  runs), sliced piece by piece.
 
-All three take ``len``, iterate, and slice with ``[a:b]`` and ``[::-1]`` into a run again. Runs are never
-written to once made (arrays are shared as views), and a view is copied when it would keep alive an array
-more than twice its size (``compact``), so what holds a run holds memory proportional to its length.
+All of them take ``len``, iterate, and slice with ``[a:b]`` and ``[::-1]`` into a run again. Runs are never
+written to once made (numpy arrays are shared as views), and a view is copied when it would keep alive an
+array more than twice its size (``compact``), so what holds a run holds memory proportional to its length.
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Iterator
+from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-Piece = range | npt.NDArray[np.int64]
+Piece: TypeAlias = "range | npt.NDArray[np.int64] | array[int]"  # array: typecode "q" (int64)
 MAX_PIECES = 16
 MIN_RUNS_IDS = 4096
 
@@ -72,7 +75,7 @@ class Runs:
         return f"Runs({list(self.pieces)!r})"
 
 
-BlockIds = Piece | Runs
+BlockIds: TypeAlias = "Piece | Runs"
 EMPTY_IDS: BlockIds = range(0)
 
 
@@ -93,10 +96,23 @@ def make_ids(pieces: list[Piece]) -> BlockIds:
             total += n
     if len(kept) <= 1:
         return compact(kept[0]) if kept else EMPTY_IDS
-    if len(kept) > MAX_PIECES or total < MIN_RUNS_IDS:
+    if total < MIN_RUNS_IDS:
+        return _joined(kept)
+    if len(kept) > MAX_PIECES:
         joined: npt.NDArray[np.int64] = np.concatenate([ids_array(p) for p in kept])
         return joined
     return Runs(tuple([compact_piece(p) for p in kept]), total)
+
+
+def _joined(pieces: list[Piece]) -> array[int]:
+    """The ids of ``pieces`` one after the other, as one int64 ``array.array``."""
+    out = array("q")
+    for p in pieces:
+        if isinstance(p, np.ndarray):
+            out.frombytes(p.astype(np.int64, copy=False).tobytes())  # in logical order, whatever its strides
+        else:
+            out.extend(p)
+    return out
 
 
 def compact_piece(p: Piece) -> Piece:
@@ -120,6 +136,9 @@ def ids_array(ids: BlockIds) -> npt.NDArray[np.int64]:
         return np.arange(ids.start, ids.stop, ids.step, dtype=np.int64)
     if isinstance(ids, Runs):
         return np.concatenate([ids_array(p) for p in ids.pieces])
+    if isinstance(ids, array):
+        copy: npt.NDArray[np.int64] = np.frombuffer(ids, dtype=np.int64).copy()
+        return copy
     return ids
 
 
@@ -129,4 +148,4 @@ def ids_list(ids: BlockIds) -> list[int]:
         return list(ids)
     if isinstance(ids, Runs):
         return [b for p in ids.pieces for b in ids_list(p)]
-    return ids.tolist()  # type: ignore[no-any-return]
+    return ids.tolist()

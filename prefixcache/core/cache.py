@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -675,10 +676,13 @@ class PrefixCache:
             nb = len(node.blocks)
             if not nb:
                 raise AssertionError(f"{where} holds no blocks")
-            if not isinstance(node.blocks, (range, Runs)) and (
-                not isinstance(node.blocks, np.ndarray) or node.blocks.dtype != np.int64 or node.blocks.ndim != 1
+            b = node.blocks
+            if not (
+                isinstance(b, (range, Runs))
+                or (isinstance(b, array) and b.typecode == "q")
+                or (isinstance(b, np.ndarray) and b.dtype == np.int64 and b.ndim == 1)
             ):
-                raise AssertionError(f"{where}: block ids are not a range, Runs or 1-D int64 array")
+                raise AssertionError(f"{where}: block ids are not a range, Runs, or 1-D int64 array")
             parent = node.parent
             assert parent is not None
             if parent.children.get(node.key) is not node:

@@ -53,14 +53,14 @@ class CacheRequests:
         return len(self.prompt_tokens)
 
     def request_keys(self, i: int) -> list[int]:
-        """Request i's hash ids (keys mode): a new list (every id as a Python int, converted once per workload
-        and kept in ``memo``)."""
-        ids: list[int] | None = self.memo.get("key_list")
-        if ids is None:
-            assert self.keys is not None
-            ids = self.memo["key_list"] = self.keys.tolist()
-        assert self.offsets is not None
-        return ids[self.offsets[i] : self.offsets[i + 1]]
+        """Request i's hash ids (keys mode), as Python ints: every request's list is made once per workload and
+        kept in ``memo``, so the caller must not change it (the replay and the cluster index only read it)."""
+        lists: list[list[int]] | None = self.memo.get("key_lists")
+        if lists is None:
+            assert self.keys is not None and self.offsets is not None
+            ids, off = self.keys.tolist(), self.offsets
+            lists = self.memo["key_lists"] = [ids[off[k] : off[k + 1]] for k in range(len(off) - 1)]
+        return lists[i]
 
     def max_inserted_blocks(self) -> int:
         """The blocks a replay can ever hold: the smallest pool at which nothing is evicted (keys mode: the

@@ -10,7 +10,7 @@ import typer
 from prefixcache.cli import console
 from prefixcache.cli import options as opt
 from prefixcache.cli.app import UsageError, app, interrupted, user_errors
-from prefixcache.cli.simulate import run_workload
+from prefixcache.cli.simulate import WorkloadArgs, run_workload
 from prefixcache.reports import causes_report as why
 from prefixcache.reports.document import rich_table
 from prefixcache.reports.output import write_output
@@ -141,7 +141,8 @@ def explain(
         record = load_record(source)
         made = False
     else:
-        sim = run_workload(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order, progress)
+        args = WorkloadArgs(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order)
+        sim = run_workload(args, progress)
         record, reqs, made = sim.record, sim.reqs, True
     out: dict[str, Any] = why.explanation_json(record, top)
     shown: list[Any] = [title(record).replace(f"prefixcache {record.command}", "prefixcache explain", 1)]

@@ -83,30 +83,15 @@ def simulate(
     side with one cache of N times the capacity (load modelled in time: see --prefill-rate).
     """
     opt.check_outputs(json_out, html, markdown)
+    args = WorkloadArgs(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order)
     with fewer_gc_passes():  # loading, replays and the record: many objects, few cycles
         if replicas is not None:
-            record = run_cluster(
-                source,
-                capacity,
-                capacity_blocks,
-                block_size,
-                warmup,
-                eviction,
-                keep_for,
-                order,
-                progress,
-                replicas,
-                router,
-                prefill_rate,
-                guard_abs,
-                guard_rel,
-                near_tokens,
-            )
+            record = run_cluster(args, progress, replicas, router, prefill_rate, guard_abs, guard_rel, near_tokens)
             write_cluster(record, json_out, html, markdown)
             if any(r.get("partial") for r in record["routers"]):
                 raise interrupted_exit()
             return
-        run = run_workload(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order, progress)
+        run = run_workload(args, progress)
         write_run(run.record, json_out, html, markdown)
 
 
@@ -118,52 +103,46 @@ class Simulated:
     record: RunRecord
 
 
-def _prepare(
-    source: Path,
-    capacity: list[str] | None,
-    capacity_blocks: list[int] | None,
-    block_size: int | None,
-    warmup: float,
-    eviction: str,
-    keep_for: float | None,
-    order: str,
-) -> tuple[ReplayPolicy, Scenario, int, list[Capacity], CacheRequests]:
-    """Check the replay options, load ``source`` and turn it into cache requests: (policy, scenario, block
+@dataclass(frozen=True)
+class WorkloadArgs:
+    """What to replay and how, as given on the command line (shared by simulate, simulate --replicas and
+    explain)."""
+
+    source: Path
+    capacity: list[str] | None
+    capacity_blocks: list[int] | None
+    block_size: int | None
+    warmup: float
+    eviction: str
+    keep_for: float | None
+    order: str
+
+
+def _prepare(a: WorkloadArgs) -> tuple[ReplayPolicy, Scenario, int, list[Capacity], CacheRequests]:
+    """Check the replay options, load the source and turn it into cache requests: (policy, scenario, block
     size, capacities, requests). Raises UsageError/InputError for bad options or input."""
-    policy = opt.replay_policy(eviction, keep_for, warmup)
-    opt.check_block_size(block_size)
-    opt.check_order(order)
-    scenario = opt.load_workload(source, block_size, order)
-    bs = opt.block_size_of(scenario, block_size)
-    caps = opt.capacities(capacity, capacity_blocks, bs, scenario)
+    policy = opt.replay_policy(a.eviction, a.keep_for, a.warmup)
+    opt.check_block_size(a.block_size)
+    opt.check_order(a.order)
+    scenario = opt.load_workload(a.source, a.block_size, a.order)
+    bs = opt.block_size_of(scenario, a.block_size)
+    caps = opt.capacities(a.capacity, a.capacity_blocks, bs, scenario)
     return policy, scenario, bs, caps, from_scenario(scenario, bs)
 
 
-def run_workload(
-    source: Path,
-    capacity: list[str] | None,
-    capacity_blocks: list[int] | None,
-    block_size: int | None,
-    warmup: float,
-    eviction: str,
-    keep_for: float | None,
-    order: str,
-    progress: bool,
-) -> Simulated:
-    """Check the simulation options, load ``source`` and replay it at every capacity (a Ctrl-C keeps the rows
+def run_workload(args: WorkloadArgs, progress: bool) -> Simulated:
+    """Check the simulation options, load the source and replay it at every capacity (a Ctrl-C keeps the rows
     so far: the record is marked partial). Raises UsageError/InputError for bad options or input."""
-    policy, scenario, bs, caps, reqs = _prepare(
-        source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order
-    )
+    policy, scenario, bs, caps, reqs = _prepare(args)
     settings = {
-        "source": str(source),
+        "source": str(args.source),
         "kind": "trace" if scenario.is_trace else "scenario",
         "requests": len(reqs),
         "block_size": bs,
         "eviction": policy.eviction,
         "keep_for": policy.keep_for,
         "warmup": policy.warmup,
-        "order": order,
+        "order": args.order,
         "capacities": [c.label(bs) for c in caps],
     }
     results: list[RunResult] = []
@@ -179,14 +158,7 @@ def run_workload(
 
 
 def run_cluster(
-    source: Path,
-    capacity: list[str] | None,
-    capacity_blocks: list[int] | None,
-    block_size: int | None,
-    warmup: float,
-    eviction: str,
-    keep_for: float | None,
-    order: str,
+    args: WorkloadArgs,
     progress: bool,
     replicas: int,
     router: list[str] | None,
@@ -195,12 +167,10 @@ def run_cluster(
     guard_rel: float | None,
     near_tokens: float | None,
 ) -> dict[str, Any]:
-    """Check the cluster options, load ``source`` and replay it through a cluster once per router, then one
+    """Check the cluster options, load the source and replay it through a cluster once per router, then one
     cache of the cluster's total size. Returns the cluster record. Raises UsageError/InputError."""
     routers = opt.routers(router)
-    policy, scenario, bs, caps, reqs = _prepare(
-        source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order
-    )
+    policy, scenario, bs, caps, reqs = _prepare(args)
     if len(caps) != 1:
         raise UsageError("--replicas takes one capacity (per replica): one --capacity or --capacity-blocks")
     spec = opt.cluster_spec(replicas, caps[0], prefill_rate, guard_abs, guard_rel, near_tokens)
@@ -215,7 +185,7 @@ def run_cluster(
                 break
     bound = global_bound(reqs, spec, policy)
     settings = {
-        "source": str(source),
+        "source": str(args.source),
         "requests": len(reqs),
         "block_size": bs,
         "replicas": replicas,
@@ -226,6 +196,6 @@ def run_cluster(
         "eviction": policy.eviction,
         "keep_for": policy.keep_for,
         "warmup": policy.warmup,
-        "order": order,
+        "order": args.order,
     }
     return cluster_report.build(str(scenario.path), settings, bound.totals(), summaries)

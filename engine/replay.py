@@ -34,6 +34,7 @@ from prefixcache.sim.results import Row, RunResult
 from prefixcache.workload.render import Conversations
 from prefixcache.workload.requests import Message
 from prefixcache.workload.scenario import Scenario
+from prefixcache.workload.trace import NO_TOKENS
 
 
 class ReplayError(ValueError):
@@ -130,9 +131,7 @@ def replay(
     A KeyboardInterrupt stops the replay; what ran comes back with ``partial=True`` (pins are always released).
     """
     if scenario.trace is not None:
-        raise ReplayError(
-            "hash-id traces have no tokens; a model cannot replay them (use prefixcache simulate, plan or explain)"
-        )
+        raise ReplayError(NO_TOKENS)
     if loaded is None:
         try:
             loaded = load_model(model, dtype=dtype, device=device, seed=seed)

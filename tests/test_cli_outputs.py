@@ -249,7 +249,7 @@ def _no_work(monkeypatch):
     monkeypatch.setattr(options, "load_workload", boom)
     monkeypatch.setattr(simulate, "run_simulation", boom)
     monkeypatch.setattr(plan, "make_plan", boom)
-    monkeypatch.setattr(report, "load_record", boom)
+    monkeypatch.setattr(report, "_load_any", boom)
 
 
 def _bad_places(tmp_path: Path) -> dict[str, tuple[Path, str]]:

@@ -14,6 +14,7 @@ from prefixcache.cli.outputs import write_run
 from prefixcache.reports.record import build_record
 from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.results import RunResult
+from prefixcache.workload.trace import NO_TOKENS
 
 EXIT_MISMATCH = 1
 
@@ -76,9 +77,7 @@ def replay(
         raise UsageError(f"--device: {exc}") from None
     scenario = opt.load_workload(scenario_path, None, "file")
     if scenario.trace is not None:
-        raise UsageError(
-            f"{scenario_path}: hash-id traces have no tokens; a model cannot replay them (use prefixcache simulate, plan or explain)"
-        )
+        raise UsageError(f"{scenario_path}: {NO_TOKENS}")
     if max_requests is not None:
         scenario = replace(scenario, requests=scenario.requests[:max_requests])
     bs = opt.block_size_of(scenario, block_size)

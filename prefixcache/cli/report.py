@@ -22,14 +22,14 @@ def report(
 ) -> None:
     """Render a saved run: a terminal summary, and optionally HTML and Markdown with plots."""
     opt.check_outputs(json_out, html, markdown)
-    record = load_record(run)
+    record = _load_any(run)
     if isinstance(record, RunRecord):
         write_run(record, json_out, html, markdown, rendering=True)
     else:
         write_cluster(record, json_out, html, markdown)
 
 
-def load_record(path: Path) -> RunRecord | dict[str, Any]:
+def _load_any(path: Path) -> RunRecord | dict[str, Any]:
     """The run record at ``path``, or the cluster record (``simulate --replicas``). Raises InputError."""
     raw = read_json(path)
     if cluster_report.is_cluster_record(raw):

@@ -32,6 +32,7 @@ TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".gz")
 _TRACE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids", "session", "trace_id", "agent", "block_size"}
 MAX_LINE_CHARS = 64 * MiB  # a line longer than this is refused (a 1M-token prompt at block size 16 takes ~1 MiB)
 INT64_END = 2**63  # lengths and hash ids are stored as int64
+NO_TOKENS = "hash-id traces have no tokens; a model cannot replay them (use prefixcache simulate, plan or explain)"
 
 
 # ---- traces ---------------------------------------------------------------------------------------------

@@ -395,7 +395,7 @@ def _interrupt(*args, **kwargs):
         ((options, "load_trace"), ["plan", SAMPLE]),
         ((options, "load_scenario"), ["simulate", SCENARIOS / "chat.yaml"]),
         ((options, "load_scenario"), ["replay", SCENARIOS / "chat.yaml"]),
-        ((report, "load_record"), ["report", SAMPLE]),
+        ((report, "_load_any"), ["report", SAMPLE]),
         ((options, "load_trace"), ["explain", SAMPLE]),
     ],
 )

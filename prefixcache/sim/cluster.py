@@ -71,9 +71,11 @@ class ClusterSpec:
             raise ValueError(f"replicas must be an integer >= 1, got {n!r}")
         if self.router not in ROUTING_POLICIES:
             raise ValueError(f"unknown router {self.router!r}; known: {', '.join(ROUTING_POLICIES)}")
-        d = self.near
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (d >= 0 and math.isfinite(d)):
-            raise ValueError(f"near must be a finite number >= 0 of tokens of queued prefill, got {d!r}")
+        self.routing()  # checks guard and near
+
+    def routing(self) -> RoutingConfig:
+        """The router's settings. Raises ValueError for a bad ``near``."""
+        return RoutingConfig(guard=self.guard, near=self.near)
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def cluster_replay(
     ``on_row(row, replica)`` sees each served request. Changes nothing outside the replay."""
     n = spec.replicas
     pool = UNLIMITED_POOL_BLOCKS if spec.capacity.blocks is None else spec.capacity.blocks
-    router = make_policy(spec.router, RoutingConfig(guard=spec.guard, near=spec.near))
+    router = make_policy(spec.router, spec.routing())
     index: ClusterIndex[int] = ClusterIndex()
     replicas = list(range(n))
     nodes = [Replayer(reqs, pool, policy) for _ in replicas]

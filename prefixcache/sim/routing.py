@@ -242,8 +242,9 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.min_match <= 1:
             raise ValueError(f"RoutingConfig.min_match must be in [0, 1], got {self.min_match!r}")
-        if not (math.isfinite(self.near) and self.near >= 0):
-            raise ValueError(f"RoutingConfig.near must be a finite number >= 0, got {self.near!r}")
+        d = self.near
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (math.isfinite(d) and d >= 0):
+            raise ValueError(f"RoutingConfig.near must be a finite number >= 0 (in load units), got {d!r}")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import subprocess
 import sys
@@ -362,4 +363,31 @@ def test_commit_checks_the_ids_it_is_given():
     r = cache.commit(m.handle, seq)
     assert r.cached_blocks == 3 and cache.num_active_requests == 1
     cache.release(m.handle)
+    cache.check_integrity()
+
+
+def test_reset_takes_the_old_tree_apart_for_reference_counting():
+    """Nodes link to parents and children (cycles): reset frees the old tree at once, leaving the collector
+    nothing to find, and the cache works as new."""
+    cache = PrefixCache(CacheConfig(num_blocks=64, block_size=4))
+
+    def fill() -> None:  # a function, so that no local outlives it holding a node
+        for i in range(40):
+            prompt = list(range(i % 5, i % 5 + 30)) + [i]
+            with cache.lookup(prompt, namespace=f"ns{i % 3}") as m:
+                cache.commit(m.handle, prompt)
+            k = cache.match_keys([i % 4, i % 7, i])
+            cache.commit_keys(k.handle, [i % 4, i % 7, i])
+            cache.release(k.handle)
+
+    fill()
+    assert cache.num_cached_blocks > 0
+    gc.collect()
+    gc.disable()
+    try:
+        cache.reset()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    assert cache.num_cached_blocks == 0 and cache.probe(list(range(30))) == 0
     cache.check_integrity()

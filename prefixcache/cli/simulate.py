@@ -84,15 +84,25 @@ def simulate(
     """
     opt.check_outputs(json_out, html, markdown)
     args = WorkloadArgs(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order)
-    with fewer_gc_passes():  # loading, replays and the record: many objects, few cycles
-        if replicas is not None:
+    # Loading, replays and the record make many objects and few cycles. The work is a call, so that what it
+    # made is freed (by reference counts) before the collector's thresholds come back; else the next
+    # allocation would start a pass over all of it just before it goes anyway.
+    with fewer_gc_passes():
+        if replicas is None:
+            _simulate(args, progress, json_out, html, markdown)
+        else:
             record = run_cluster(args, progress, replicas, router, prefill_rate, guard_abs, guard_rel, near_tokens)
             write_cluster(record, json_out, html, markdown)
             if any(r.get("partial") for r in record["routers"]):
                 raise interrupted_exit()
-            return
-        run = run_workload(args, progress)
-        write_run(run.record, json_out, html, markdown)
+
+
+def _simulate(
+    args: "WorkloadArgs", progress: bool, json_out: Path | None, html: Path | None, markdown: Path | None
+) -> None:
+    """Run the workload, print its summary and write the requested files."""
+    run = run_workload(args, progress)
+    write_run(run.record, json_out, html, markdown)
 
 
 @dataclass(frozen=True)

@@ -150,8 +150,12 @@ class PrefixCache:
     # ---- state ---------------------------------------------------------------------------------------
     def reset(self, *, keep_stats: bool = False) -> None:
         """Forget every cached block and live request; counters restart from zero unless ``keep_stats``.
-        Listeners stay subscribed and get ``CacheCleared``."""
+        Listeners stay subscribed and get ``CacheCleared``. The old tree is taken apart (its memory returns at
+        once), so nodes kept from it have no children."""
         c = self.config
+        old: RadixTree | None = getattr(self, "tree", None)
+        if old is not None:
+            old.clear()
         self.tree = RadixTree(
             c.block_size,
             self._hasher,

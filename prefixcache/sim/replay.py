@@ -41,6 +41,20 @@ def fewer_gc_passes() -> Iterator[None]:
         gc.set_threshold(*old)
 
 
+class TraceClock:
+    """The time retention is measured on: the last served request's timestamp, in seconds (``now``). Its own
+    object, not a method of the replayer: a bound method handed to the cache would make the replayer and its
+    cache a reference cycle, kept until the garbage collector's next full pass."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Replayer:
     """One cache of ``pool_blocks`` blocks that serves ``reqs``' requests one at a time (``serve(i)``).
 
@@ -51,21 +65,17 @@ class Replayer:
     def __init__(self, reqs: CacheRequests, pool_blocks: int, policy: ReplayPolicy, *, causes: bool = True) -> None:
         self.reqs = reqs
         self.policy = policy
-        self.now = 0.0  # the cache's clock, seconds of trace time
+        self.clock = TraceClock()
         config = CacheConfig(num_blocks=pool_blocks, block_size=reqs.block_size, eviction=policy.eviction)
         self.cache = PrefixCache(config, clock=self.clock)
         self.causes = CauseTracker(workload_causes(reqs)) if causes else None
-
-    def clock(self) -> float:
-        """The time retention is measured on: the last served request's timestamp, in seconds."""
-        return self.now
 
     def serve(self, i: int, warmup: bool = False) -> Row:
         """Look up, commit and release request ``i``; returns its row. Changes the cache."""
         reqs, cache = self.reqs, self.cache
         ts = reqs.timestamp[i]
         if ts is not None:
-            self.now = ts * TIMESTAMP_UNIT_S
+            self.clock.now = ts * TIMESTAMP_UNIT_S
         ns = reqs.namespace[i]
         n = reqs.prompt_tokens[i]
         stats = cache.stats
@@ -139,6 +149,7 @@ def replay(
                     on_row(row, rep.cache)
     except KeyboardInterrupt:
         partial = True
+    rep.cache.reset()  # nobody reads this cache again: its tree goes now, not at a later collector pass
     return RunResult(capacity, pool, reqs.block_size, tuple(rows), partial)
 
 

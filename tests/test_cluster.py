@@ -49,6 +49,32 @@ def test_queueing_delays_by_hand():
     assert s["busy_s_per_replica"] == pytest.approx([3.0]) and s["queue_delay_p99_s"] == pytest.approx(0.49)
 
 
+def test_shared_queue_changes_delays_not_routing():
+    # the same three prompts at 0, 0.5 and 3 s, 1 s each, on one replica. Shared: alone until 0.5, then two at
+    # half rate: the first has 0.5 s left and ends at 1.5, the second (0.5 s done by then) at 2.0
+    tr = trace_from_lists([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], block_size=16, timestamp=[0, 500, 3000])
+    spec = ClusterSpec(1, Capacity(100), "least_loaded", load=LoadModel(64, "shared"))
+    res = cluster_replay(from_trace(tr), spec)
+    assert res.queue_delay_s == pytest.approx((0.5, 0.5, 0.0))
+    assert res.summary()["prefill_queue"] == "shared"
+    # on a real trace: the very same decisions and hits under both queues; each result gives the other's delays
+    reqs = from_trace(load_trace(HEAD))
+    fcfs, shared = (
+        cluster_replay(reqs, ClusterSpec(3, Capacity(40), "prefix_balanced", load=LoadModel(2_000, q)))
+        for q in ("fcfs", "shared")
+    )
+    assert fcfs.replica == shared.replica and fcfs.run.totals() == shared.run.totals()
+    assert fcfs.arrival_s == shared.arrival_s and fcfs.service_s == shared.service_s
+    assert list(shared.queue_delay_s) == fcfs.delays("shared") and list(fcfs.queue_delay_s) == shared.delays("fcfs")
+    assert fcfs.summary("shared") == shared.summary() and shared.summary("fcfs") == fcfs.summary()
+    assert max(fcfs.queue_delay_s) > 0 and fcfs.queue_delay_s != shared.queue_delay_s
+    busy: dict[int, float] = {}  # fcfs by hand: a request starts when its replica's earlier work is done
+    for r, a, w, d in zip(fcfs.replica, fcfs.arrival_s, fcfs.service_s, fcfs.queue_delay_s):
+        start = max(a, busy.get(r, 0.0))
+        assert d == pytest.approx(start - a)
+        busy[r] = start + w
+
+
 def test_least_loaded_uses_outstanding_work_not_counts():
     # one long request then two short ones, all at t=0 on 2 replicas: the long one occupies replica 0, so
     # both short ones go to replica 1 (request counts would alternate)
@@ -145,3 +171,20 @@ def test_simulate_near_tokens_option(tmp_path):
     for bad in ("-1", "nan"):
         r = CliRunner().invoke(app, [*base, "--near-tokens", bad])
         assert r.exit_code == 2 and "--near-tokens" in r.output, r.output
+
+
+def test_simulate_prefill_queue_option(tmp_path):
+    base = ["simulate", str(HEAD), "--replicas", "2", "--capacity-blocks", "50", "--no-progress"]
+    recs = {}
+    for q in ("fcfs", "shared"):
+        out = tmp_path / f"{q}.json"
+        r = CliRunner().invoke(app, [*base, "--router", "least_loaded", "--prefill-queue", q, "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        assert f"{q} queue" in r.output
+        recs[q] = json.loads(out.read_text())
+        assert recs[q]["settings"]["prefill_queue"] == q and recs[q]["routers"][0]["prefill_queue"] == q
+    fcfs, shared = (recs[q]["routers"][0] for q in ("fcfs", "shared"))
+    assert fcfs["requests_per_replica"] == shared["requests_per_replica"]
+    assert fcfs["token_hit_rate"] == shared["token_hit_rate"]
+    r = CliRunner().invoke(app, [*base, "--prefill-queue", "lifo"])
+    assert r.exit_code == 2 and "--prefill-queue 'lifo': unknown; known: fcfs, shared" in r.output, r.output

@@ -7,7 +7,7 @@ UsageError (one line, exit 2) for a bad value.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +18,7 @@ from prefixcache.core import POLICIES
 from prefixcache.reports.output import STDOUT, check_output
 from prefixcache.sim.cluster import ClusterSpec, LoadModel
 from prefixcache.sim.policy import DEFAULT_BLOCK_SIZE, Capacity, ReplayPolicy
+from prefixcache.sim.queueing import QUEUE_DISCIPLINES
 from prefixcache.sim.routing import ROUTING_POLICIES, LoadGuard
 from prefixcache.workload.order import ORDERS, ordered
 from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
@@ -165,30 +166,39 @@ def routers(names: list[str] | None) -> list[str]:
     return chosen
 
 
-def cluster_spec(
-    replicas: int,
-    capacity: Capacity,
-    prefill_rate: float,
-    guard_abs: float | None,
-    guard_rel: float | None,
-    near_tokens: float | None,
-) -> ClusterSpec:
+@dataclass(frozen=True)
+class ClusterArgs:
+    """The cluster options of ``simulate --replicas``, as given on the command line."""
+
+    replicas: int
+    router: list[str] | None
+    prefill_rate: float
+    prefill_queue: str
+    guard_abs: float | None
+    guard_rel: float | None
+    near_tokens: float | None
+
+
+def cluster_spec(c: ClusterArgs, capacity: Capacity) -> ClusterSpec:
     """The cluster options as a ClusterSpec; UsageError names the bad option."""
     try:
-        load = LoadModel(prefill_rate)
+        LoadModel(c.prefill_rate)
     except ValueError as exc:
         raise UsageError(f"--prefill-rate: {exc}") from None
-    defaults = ClusterSpec(replicas, capacity)
+    if c.prefill_queue not in QUEUE_DISCIPLINES:
+        raise UsageError(f"--prefill-queue {c.prefill_queue!r}: unknown; known: {', '.join(QUEUE_DISCIPLINES)}")
+    load = LoadModel(c.prefill_rate, c.prefill_queue)
+    defaults = ClusterSpec(c.replicas, capacity)
     default = defaults.guard
     try:
         guard = LoadGuard(
-            default.abs_threshold if guard_abs is None else guard_abs,
-            default.rel_threshold if guard_rel is None else guard_rel,
+            default.abs_threshold if c.guard_abs is None else c.guard_abs,
+            default.rel_threshold if c.guard_rel is None else c.guard_rel,
         )
     except ValueError as exc:
         raise UsageError(f"--guard-abs/--guard-rel: {exc}") from None
-    near = defaults.near if near_tokens is None else near_tokens
+    near = defaults.near if c.near_tokens is None else c.near_tokens
     try:
-        return ClusterSpec(replicas, capacity, guard=guard, load=load, near=near)
+        return ClusterSpec(c.replicas, capacity, guard=guard, load=load, near=near)
     except ValueError as exc:
         raise UsageError(f"--near-tokens: {exc}") from None

@@ -10,6 +10,7 @@ from prefixcache.cli import options as opt
 from prefixcache.cli.app import UsageError, app, user_errors
 from prefixcache.cli.app import interrupted as interrupted_exit
 from prefixcache.cli.console import run_progress
+from prefixcache.cli.options import ClusterArgs
 from prefixcache.cli.outputs import write_cluster, write_run
 from prefixcache.reports import cluster_report
 from prefixcache.reports.record import TOP_SITES, RunRecord, build_record
@@ -56,6 +57,14 @@ def simulate(
     prefill_rate: Annotated[
         float, typer.Option("--prefill-rate", help="Cluster load model: tokens per second each replica prefills.")
     ] = DEFAULT_PREFILL_RATE,
+    prefill_queue: Annotated[
+        str,
+        typer.Option(
+            "--prefill-queue",
+            help="Cluster load model: how a replica works through its queued prompts: fcfs (one at a time, in "
+            "arrival order) or shared (all at once in equal shares, like chunked prefill interleaving them).",
+        ),
+    ] = "fcfs",
     guard_abs: Annotated[
         float | None,
         typer.Option(
@@ -80,7 +89,7 @@ def simulate(
     Several --capacity/--capacity-blocks values give a sweep (one replay per capacity). Text and chat
     requests are tokenised with the built-in byte-level tokenizer; model replies are synthesised.
     With --replicas N: a cluster of N caches of one capacity each, routed by each --router in turn, side by
-    side with one cache of N times the capacity (load modelled in time: see --prefill-rate).
+    side with one cache of N times the capacity (load modelled in time: see --prefill-rate and --prefill-queue).
     """
     opt.check_outputs(json_out, html, markdown)
     args = WorkloadArgs(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order)
@@ -91,7 +100,8 @@ def simulate(
         if replicas is None:
             _simulate(args, progress, json_out, html, markdown)
         else:
-            record = run_cluster(args, progress, replicas, router, prefill_rate, guard_abs, guard_rel, near_tokens)
+            cluster = ClusterArgs(replicas, router, prefill_rate, prefill_queue, guard_abs, guard_rel, near_tokens)
+            record = run_cluster(args, cluster, progress)
             write_cluster(record, json_out, html, markdown)
             if any(r.get("partial") for r in record["routers"]):
                 raise interrupted_exit()
@@ -167,23 +177,15 @@ def run_workload(args: WorkloadArgs, progress: bool) -> Simulated:
     return Simulated(reqs, record)
 
 
-def run_cluster(
-    args: WorkloadArgs,
-    progress: bool,
-    replicas: int,
-    router: list[str] | None,
-    prefill_rate: float,
-    guard_abs: float | None,
-    guard_rel: float | None,
-    near_tokens: float | None,
-) -> dict[str, Any]:
+def run_cluster(args: WorkloadArgs, cluster: ClusterArgs, progress: bool) -> dict[str, Any]:
     """Check the cluster options, load the source and replay it through a cluster once per router, then one
     cache of the cluster's total size. Returns the cluster record. Raises UsageError/InputError."""
-    routers = opt.routers(router)
+    routers = opt.routers(cluster.router)
     policy, scenario, bs, caps, reqs = _prepare(args)
     if len(caps) != 1:
         raise UsageError("--replicas takes one capacity (per replica): one --capacity or --capacity-blocks")
-    spec = opt.cluster_spec(replicas, caps[0], prefill_rate, guard_abs, guard_rel, near_tokens)
+    spec = opt.cluster_spec(cluster, caps[0])
+    replicas = cluster.replicas
     summaries = []
     with run_progress(progress, lambda name: f"router {name}") as prog:
         for name in routers:
@@ -201,6 +203,7 @@ def run_cluster(
         "replicas": replicas,
         "capacity_blocks_per_replica": caps[0].blocks,
         "prefill_rate": spec.load.prefill_rate,
+        "prefill_queue": spec.load.queue,
         "guard": {"abs_threshold": spec.guard.abs_threshold, "rel_threshold": spec.guard.rel_threshold},
         "near_tokens": spec.near,
         "eviction": policy.eviction,

@@ -92,7 +92,7 @@ def comparison(record: dict[str, Any]) -> Table:
     rows.append([f"one cache of {s['replicas']}x", fmt.pct(bound), "", "", "", "", ""])
     title = (
         f"{s['replicas']} replicas x {fmt.integer(s['capacity_blocks_per_replica'])} blocks, "
-        f"prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica"
+        f"prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica, {s.get('prefill_queue', 'fcfs')} queue"
     )
     header = ["router", "hit rate", "gap closed", "req max/min", "busy max/min", "p50 queue", "p99 queue"]
     return Table(header, rows, title)
@@ -155,8 +155,9 @@ def document(record: dict[str, Any]) -> Document:
 
 
 LOAD_NOTE = (
-    "Load model: each replica prefills at a fixed rate, first come first served; a request waits for the work "
-    "queued before it on its replica (queueing delay) and then takes uncached prompt tokens / rate seconds. "
-    "Decoding is not modelled. The last row is one cache of the cluster's total size fed every request: "
-    "the bound any routing over separate caches can reach."
+    "Load model: each replica prefills at a fixed rate; a request brings uncached prompt tokens / rate seconds "
+    "of prefill, and its queueing delay is its time on the replica beyond that. An fcfs queue prefills one "
+    "prompt at a time in arrival order; a shared queue prefills every queued prompt at once in equal shares "
+    "(chunked prefill interleaving them). Decoding is not modelled. The last row is one cache of the "
+    "cluster's total size fed every request: the bound any routing over separate caches can reach."
 )

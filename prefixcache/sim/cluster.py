@@ -5,11 +5,14 @@ own ``PrefixCache`` of C blocks. A :class:`~prefixcache.sim.routing.ClusterIndex
 replica caches, fed by the replicas' own cache events, and the routing policy (the very code the Ray Serve
 router runs) picks a replica per request from it and from the replicas' loads.
 
-**Load, in time.** Every replica prefills at a fixed rate (``LoadModel.prefill_rate``, tokens per second) and
-serves its requests first come, first served. A request arriving at its timestamp with ``u`` uncached prompt
-tokens on the chosen replica starts when that replica has finished the work queued before it and takes
-``u / rate`` seconds. A replica's load, as the router sees it at a request's arrival, is the prefill work it
-has not finished yet, in tokens, so ``prefix_balanced``'s thresholds are tokens too: the load guard at
+**Load, in time.** Every replica prefills at a fixed rate (``LoadModel.prefill_rate``, tokens per second). A
+request arriving at its timestamp with ``u`` uncached prompt tokens brings ``u / rate`` seconds of prefill to
+the chosen replica, which works through its queue first come, first served (``LoadModel.queue="fcfs"``, the
+default) or on every queued prompt at once, in equal shares (``"shared"``: chunked prefill interleaving the
+prompts; ``prefixcache.sim.queueing``). A request's queueing delay is its time on the replica beyond its own
+prefill. A replica's load, as the router sees it at a request's arrival, is the prefill work it has not
+finished yet, in tokens (the same under both queues, so are the routing decisions); ``prefix_balanced``'s
+thresholds are tokens too: the load guard at
 ``DEFAULT_GUARD_TOKENS`` (and 1.5x), and ``near`` at ``DEFAULT_NEAR_TOKENS``: a request whose longest held
 prefix is too short to follow (under ``min_match``) goes, among the replicas within ``near`` tokens of the least
 loaded, to the one holding the longest prefix (``prefixcache.sim.routing.RoutingConfig``). Decoding is not
@@ -28,6 +31,7 @@ from typing import Any
 
 from prefixcache.core.events import CacheEvent
 from prefixcache.sim.policy import Capacity, ReplayPolicy
+from prefixcache.sim.queueing import QUEUE_DISCIPLINES, replica_delays
 from prefixcache.sim.replay import TIMESTAMP_UNIT_S, UNLIMITED_POOL_BLOCKS, Replayer, fewer_gc_passes, replay
 from prefixcache.sim.requests import CacheRequests
 from prefixcache.sim.results import Row, RunResult, percentile
@@ -40,14 +44,19 @@ DEFAULT_NEAR_TOKENS = 3_000.0  # RoutingConfig.near here: a short prefix settles
 
 @dataclass(frozen=True)
 class LoadModel:
-    """How load is modelled: each replica prefills ``prefill_rate`` tokens per second, first come first served."""
+    """How load is modelled: each replica prefills ``prefill_rate`` tokens per second, its queue served by
+    ``queue`` (one of ``QUEUE_DISCIPLINES``: ``fcfs``, one prompt at a time in arrival order; ``shared``, every
+    queued prompt at once in equal shares)."""
 
     prefill_rate: float = DEFAULT_PREFILL_RATE
+    queue: str = "fcfs"
 
     def __post_init__(self) -> None:
         r = self.prefill_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (r > 0 and math.isfinite(r)):
             raise ValueError(f"prefill_rate must be a positive number of tokens per second, got {r!r}")
+        if self.queue not in QUEUE_DISCIPLINES:
+            raise ValueError(f"queue must be one of {', '.join(QUEUE_DISCIPLINES)}, got {self.queue!r}")
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,8 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class ClusterResult:
     """One cluster replay: the rows in request order (each from the replica that served it) and, per request,
-    the replica, the routing reason, the queueing delay and the prefill seconds."""
+    the replica, the routing reason, the queueing delay (under ``spec.load.queue``), the prefill seconds and
+    the arrival time (seconds of trace time)."""
 
     spec: ClusterSpec
     run: RunResult
@@ -89,10 +99,19 @@ class ClusterResult:
     reason: tuple[str, ...]
     queue_delay_s: tuple[float, ...]
     service_s: tuple[float, ...]
+    arrival_s: tuple[float, ...]
 
-    def summary(self) -> dict[str, Any]:
-        """Hit rates, per-replica shares, imbalance and queueing delay over the measured requests."""
+    def delays(self, queue: str) -> list[float]:
+        """Every request's queueing delay had its replicas served their queues by ``queue`` instead (the routing
+        decisions stay: they depend only on the work not yet done, the same under every queue)."""
+        return replica_delays(self.arrival_s, self.service_s, self.replica, queue)
+
+    def summary(self, queue: str | None = None) -> dict[str, Any]:
+        """Hit rates, per-replica shares, imbalance and queueing delay over the measured requests (the delays
+        under ``queue`` when given: see ``delays``)."""
         n = self.spec.replicas
+        queue = self.spec.load.queue if queue is None else queue
+        all_delays = self.queue_delay_s if queue == self.spec.load.queue else self.delays(queue)
         t = self.run.totals()
         measured = [k for k, row in enumerate(self.run.rows) if not row.warmup]
         reqs = [0] * n
@@ -105,12 +124,13 @@ class ClusterResult:
             prefill[r] += row.prompt_tokens - row.cached_tokens
             busy[r] += self.service_s[k]
             reasons[self.reason[k]] = reasons.get(self.reason[k], 0) + 1
-        delays = [self.queue_delay_s[k] for k in measured]
+        delays = [all_delays[k] for k in measured]
         return {
             "router": self.spec.router,
             "replicas": n,
             "capacity_blocks_per_replica": self.spec.capacity.blocks,
             "prefill_rate": self.spec.load.prefill_rate,
+            "prefill_queue": queue,
             "requests": t["requests"],
             "prompt_tokens": t["prompt_tokens"],
             "cached_tokens": t["cached_tokens"],
@@ -171,7 +191,7 @@ def cluster_replay(
     rows: list[Row] = []
     chosen: list[int] = []
     reasons: list[str] = []
-    delays: list[float] = []
+    arrivals: list[float] = []
     service: list[float] = []
     now = 0.0
     partial = False
@@ -196,19 +216,19 @@ def cluster_replay(
                 r = decision.replica
                 row = nodes[r].serve(i, i < first)
                 work = (row.prompt_tokens - row.cached_tokens) / rate
-                start = max(now, busy_until[r])
-                busy_until[r] = start + work
+                busy_until[r] = max(now, busy_until[r]) + work  # when its queue drains, under any queue
                 rows.append(row)
                 chosen.append(r)
                 reasons.append(decision.reason)
-                delays.append(start - now)
+                arrivals.append(now)
                 service.append(work)
                 if on_row is not None:
                     on_row(row, r)
     except KeyboardInterrupt:
         partial = True
     run = RunResult(spec.capacity, pool, reqs.block_size, tuple(rows), partial)
-    return ClusterResult(spec, run, tuple(chosen), tuple(reasons), tuple(delays), tuple(service))
+    delays = replica_delays(arrivals, service, chosen, spec.load.queue)
+    return ClusterResult(spec, run, tuple(chosen), tuple(reasons), tuple(delays), tuple(service), tuple(arrivals))
 
 
 def global_bound(reqs: CacheRequests, spec: ClusterSpec, policy: ReplayPolicy = ReplayPolicy()) -> RunResult:

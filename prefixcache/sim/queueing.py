@@ -4,11 +4,12 @@ Each replica prefills at one fixed rate; a request brings ``work`` seconds of pr
 queue disciplines, both work-conserving (a replica is never idle while work is queued, so the work it has
 not finished at any moment, which is what the router sees as its load, is the same under both):
 
-* ``fcfs``: one prompt at a time, in arrival order, like an engine that prefills one prompt at a time,
-  chunked or not (vLLM's default of one partial prefill): a long prompt holds up every prompt behind it;
-* ``shared``: every queued prompt advances at an equal share of the rate (processor sharing), an idealised
-  chunked prefill that interleaves every waiting prompt (as vLLM's ``--max-num-partial-prefills`` does for a
-  few): a short prompt behind a long one finishes early.
+* ``fcfs``: one prompt at a time, in arrival order: a long prompt holds up every prompt behind it. This is
+  what a scheduler does that hands each step's token budget to the requests in arrival order, so a long
+  prompt prefilled in chunks takes the whole budget until it is done (vLLM's default);
+* ``shared``: every queued prompt advances at an equal share of the rate (processor sharing): a short prompt
+  behind a long one finishes early. An idealised chunked prefill that caps what one prompt may take of a
+  step (e.g. vLLM's ``--long-prefill-token-threshold``) and so interleaves the waiting prompts.
 
 A request's queueing delay is the time it spends on the replica beyond its own prefill: finish - arrival -
 work (under ``fcfs``, the wait before it starts).

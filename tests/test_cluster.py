@@ -188,3 +188,5 @@ def test_simulate_prefill_queue_option(tmp_path):
     assert fcfs["token_hit_rate"] == shared["token_hit_rate"]
     r = CliRunner().invoke(app, [*base, "--prefill-queue", "lifo"])
     assert r.exit_code == 2 and "--prefill-queue 'lifo': unknown; known: fcfs, shared" in r.output, r.output
+    r = CliRunner().invoke(app, [*base, "--prefill-queue", "shared", "--prefill-rate", "-5"])
+    assert r.exit_code == 2 and "--prefill-rate: prefill_rate must be a positive number" in r.output, r.output

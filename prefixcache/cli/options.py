@@ -181,13 +181,12 @@ class ClusterArgs:
 
 def cluster_spec(c: ClusterArgs, capacity: Capacity) -> ClusterSpec:
     """The cluster options as a ClusterSpec; UsageError names the bad option."""
-    try:
-        LoadModel(c.prefill_rate)
-    except ValueError as exc:
-        raise UsageError(f"--prefill-rate: {exc}") from None
     if c.prefill_queue not in QUEUE_DISCIPLINES:
         raise UsageError(f"--prefill-queue {c.prefill_queue!r}: unknown; known: {', '.join(QUEUE_DISCIPLINES)}")
-    load = LoadModel(c.prefill_rate, c.prefill_queue)
+    try:
+        load = LoadModel(c.prefill_rate, c.prefill_queue)
+    except ValueError as exc:  # the queue is known: the rate is wrong
+        raise UsageError(f"--prefill-rate: {exc}") from None
     defaults = ClusterSpec(c.replicas, capacity)
     default = defaults.guard
     try:

@@ -223,14 +223,11 @@ class RadixTree:
         """Take the tree apart: it forgets its roots and every node its children. Parent and child links are
         reference cycles, so a dropped tree would wait for a full pass of the garbage collector; taken apart,
         its memory returns as soon as nothing else holds its nodes."""
-        stack: list[Node] = list(self.roots.values())
+        for node in [*self.roots.values(), *self.nodes()]:
+            if node.children:
+                node.children = {}
         self.roots = {}
         self.generation += 1
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-                node.children = {}
 
     # ---- hashes (tokens mode; lazy) ----------------------------------------------------------------
     def _last_from_first(self, node: Node) -> bytes:

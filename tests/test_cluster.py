@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from prefixcache.cli import app
 from prefixcache.sim.cluster import DEFAULT_NEAR_TOKENS, ClusterSpec, LoadModel, cluster_replay, global_bound
 from prefixcache.sim.policy import Capacity
+from prefixcache.sim.queueing import PrefillQueue
 from prefixcache.sim.replay import replay
 from prefixcache.sim.requests import from_scenario, from_trace
 from prefixcache.workload.scenario import load_scenario
@@ -44,35 +45,39 @@ def test_queueing_delays_by_hand():
     tr = trace_from_lists([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], block_size=16, timestamp=[0, 500, 3000])
     res = cluster_replay(from_trace(tr), ClusterSpec(1, Capacity(100), "least_loaded", load=LoadModel(64)))
     assert res.queue_delay_s == pytest.approx((0.0, 0.5, 0.0))
-    assert res.service_s == pytest.approx((1.0, 1.0, 1.0))
+    assert res.prefill_tokens == (64, 64, 64)
     s = res.summary()
     assert s["busy_s_per_replica"] == pytest.approx([3.0]) and s["queue_delay_p99_s"] == pytest.approx(0.49)
 
 
-def test_shared_queue_changes_delays_not_routing():
-    # the same three prompts at 0, 0.5 and 3 s, 1 s each, on one replica. Shared: alone until 0.5, then two at
-    # half rate: the first has 0.5 s left and ends at 1.5, the second (0.5 s done by then) at 2.0
+def test_chunked_queue_changes_delays_not_routing():
+    # the same three prompts of 64 tokens at 0, 0.5 and 3 s on one replica at 64 tokens/s, in steps of 32 tokens
+    # of which one prompt gets at most 16: alone, the first takes 16 a step (0.25 s); from 0.5 both take 16 a
+    # step (0.5 s): the first is done at 1.5, the second then alone at 2.0; the third is alone again
     tr = trace_from_lists([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], block_size=16, timestamp=[0, 500, 3000])
-    spec = ClusterSpec(1, Capacity(100), "least_loaded", load=LoadModel(64, "shared"))
+    chunked = PrefillQueue("chunked", 32, 16)
+    spec = ClusterSpec(1, Capacity(100), "least_loaded", load=LoadModel(64, chunked))
     res = cluster_replay(from_trace(tr), spec)
     assert res.queue_delay_s == pytest.approx((0.5, 0.5, 0.0))
-    assert res.summary()["prefill_queue"] == "shared"
+    s = res.summary()
+    assert (s["prefill_queue"], s["prefill_step_tokens"], s["prefill_chunk_tokens"]) == ("chunked", 32, 16)
     # on a real trace: the very same decisions and hits under both queues; each result gives the other's delays
     reqs = from_trace(load_trace(HEAD))
-    fcfs, shared = (
+    fcfs, chunk = (
         cluster_replay(reqs, ClusterSpec(3, Capacity(40), "prefix_balanced", load=LoadModel(2_000, q)))
-        for q in ("fcfs", "shared")
+        for q in (PrefillQueue(), chunked)
     )
-    assert fcfs.replica == shared.replica and fcfs.run.totals() == shared.run.totals()
-    assert fcfs.arrival_s == shared.arrival_s and fcfs.service_s == shared.service_s
-    assert list(shared.queue_delay_s) == fcfs.delays("shared") and list(fcfs.queue_delay_s) == shared.delays("fcfs")
-    assert fcfs.summary("shared") == shared.summary() and shared.summary("fcfs") == fcfs.summary()
-    assert max(fcfs.queue_delay_s) > 0 and fcfs.queue_delay_s != shared.queue_delay_s
+    assert fcfs.replica == chunk.replica and fcfs.run.totals() == chunk.run.totals()
+    assert fcfs.arrival_s == chunk.arrival_s and fcfs.prefill_tokens == chunk.prefill_tokens
+    assert list(chunk.queue_delay_s) == fcfs.delays(chunked)
+    assert list(fcfs.queue_delay_s) == chunk.delays(PrefillQueue())
+    assert fcfs.summary(chunked) == chunk.summary() and chunk.summary(PrefillQueue()) == fcfs.summary()
+    assert max(fcfs.queue_delay_s) > 0 and fcfs.queue_delay_s != chunk.queue_delay_s
     busy: dict[int, float] = {}  # fcfs by hand: a request starts when its replica's earlier work is done
-    for r, a, w, d in zip(fcfs.replica, fcfs.arrival_s, fcfs.service_s, fcfs.queue_delay_s):
+    for r, a, n, d in zip(fcfs.replica, fcfs.arrival_s, fcfs.prefill_tokens, fcfs.queue_delay_s):
         start = max(a, busy.get(r, 0.0))
         assert d == pytest.approx(start - a)
-        busy[r] = start + w
+        busy[r] = start + n / 2_000
 
 
 def test_least_loaded_uses_outstanding_work_not_counts():
@@ -175,18 +180,38 @@ def test_simulate_near_tokens_option(tmp_path):
 
 def test_simulate_prefill_queue_option(tmp_path):
     base = ["simulate", str(HEAD), "--replicas", "2", "--capacity-blocks", "50", "--no-progress"]
+    chunk = ["--prefill-queue", "chunked", "--prefill-step-tokens", "4096", "--prefill-chunk-tokens", "512"]
     recs = {}
-    for q in ("fcfs", "shared"):
+    for q, flags, label in (
+        ("fcfs", [], "fcfs queue"),
+        ("chunked", chunk, "chunked (512 of 4,096 tokens a step) queue"),
+        (
+            "nocap",
+            ["--prefill-queue", "chunked", "--prefill-chunk-tokens", "0"],
+            "chunked (8,192 tokens a step, no cap)",
+        ),
+    ):
         out = tmp_path / f"{q}.json"
-        r = CliRunner().invoke(app, [*base, "--router", "least_loaded", "--prefill-queue", q, "--json", str(out)])
+        r = CliRunner().invoke(app, [*base, "--router", "least_loaded", *flags, "--json", str(out)])
         assert r.exit_code == 0, r.output
-        assert f"{q} queue" in r.output
+        assert label in " ".join(r.output.split()), r.output
         recs[q] = json.loads(out.read_text())
-        assert recs[q]["settings"]["prefill_queue"] == q and recs[q]["routers"][0]["prefill_queue"] == q
-    fcfs, shared = (recs[q]["routers"][0] for q in ("fcfs", "shared"))
-    assert fcfs["requests_per_replica"] == shared["requests_per_replica"]
-    assert fcfs["token_hit_rate"] == shared["token_hit_rate"]
-    r = CliRunner().invoke(app, [*base, "--prefill-queue", "lifo"])
-    assert r.exit_code == 2 and "--prefill-queue 'lifo': unknown; known: fcfs, shared" in r.output, r.output
-    r = CliRunner().invoke(app, [*base, "--prefill-queue", "shared", "--prefill-rate", "-5"])
+    assert recs["fcfs"]["settings"]["prefill_queue"] == "fcfs"
+    assert "prefill_step_tokens" not in recs["fcfs"]["settings"]
+    for rec, step, cap in ((recs["chunked"], 4096, 512), (recs["nocap"], 8192, None)):
+        for where in (rec["settings"], rec["routers"][0]):
+            got = (where["prefill_queue"], where["prefill_step_tokens"], where["prefill_chunk_tokens"])
+            assert got == ("chunked", step, cap)
+    fcfs, chunked = (recs[q]["routers"][0] for q in ("fcfs", "chunked"))
+    assert fcfs["requests_per_replica"] == chunked["requests_per_replica"]
+    assert fcfs["token_hit_rate"] == chunked["token_hit_rate"]
+    for flags, msg in (
+        (["--prefill-queue", "lifo"], "--prefill-queue 'lifo': unknown; known: fcfs, chunked"),
+        (["--prefill-chunk-tokens", "512"], "--prefill-chunk-tokens applies to --prefill-queue chunked only"),
+        (["--prefill-queue", "chunked", "--prefill-step-tokens", "0"], "--prefill-step-tokens 0: must be at least 1"),
+        (["--prefill-queue", "chunked", "--prefill-chunk-tokens", "-1"], "--prefill-chunk-tokens -1: must be at"),
+    ):
+        r = CliRunner().invoke(app, [*base, *flags])
+        assert r.exit_code == 2 and msg in r.output, r.output
+    r = CliRunner().invoke(app, [*base, "--prefill-queue", "chunked", "--prefill-rate", "-5"])
     assert r.exit_code == 2 and "--prefill-rate: prefill_rate must be a positive number" in r.output, r.output

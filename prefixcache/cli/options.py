@@ -18,7 +18,7 @@ from prefixcache.core import POLICIES
 from prefixcache.reports.output import STDOUT, check_output
 from prefixcache.sim.cluster import ClusterSpec, LoadModel
 from prefixcache.sim.policy import DEFAULT_BLOCK_SIZE, Capacity, ReplayPolicy
-from prefixcache.sim.queueing import QUEUE_DISCIPLINES
+from prefixcache.sim.queueing import QUEUE_DISCIPLINES, PrefillQueue
 from prefixcache.sim.routing import ROUTING_POLICIES, LoadGuard
 from prefixcache.workload.order import ORDERS, ordered
 from prefixcache.workload.scenario import Scenario, load_scenario, parse_capacity
@@ -174,18 +174,38 @@ class ClusterArgs:
     router: list[str] | None
     prefill_rate: float
     prefill_queue: str
+    prefill_step_tokens: int | None
+    prefill_chunk_tokens: int | None
     guard_abs: float | None
     guard_rel: float | None
     near_tokens: float | None
 
 
-def cluster_spec(c: ClusterArgs, capacity: Capacity) -> ClusterSpec:
-    """The cluster options as a ClusterSpec; UsageError names the bad option."""
+def prefill_queue(c: ClusterArgs) -> PrefillQueue:
+    """The replicas' queue from --prefill-queue, --prefill-step-tokens and --prefill-chunk-tokens (0: no cap)."""
     if c.prefill_queue not in QUEUE_DISCIPLINES:
         raise UsageError(f"--prefill-queue {c.prefill_queue!r}: unknown; known: {', '.join(QUEUE_DISCIPLINES)}")
+    given = [name for name, v in (("step", c.prefill_step_tokens), ("chunk", c.prefill_chunk_tokens)) if v is not None]
+    if c.prefill_queue != "chunked":
+        if given:
+            raise UsageError(f"--prefill-{given[0]}-tokens applies to --prefill-queue chunked only")
+        return PrefillQueue(c.prefill_queue)
+    default = PrefillQueue("chunked")
+    step = default.step_tokens if c.prefill_step_tokens is None else c.prefill_step_tokens
+    chunk = default.chunk_tokens if c.prefill_chunk_tokens is None else c.prefill_chunk_tokens
+    if step < 1:
+        raise UsageError(f"--prefill-step-tokens {step}: must be at least 1")
+    if chunk is not None and chunk < 0:
+        raise UsageError(f"--prefill-chunk-tokens {chunk}: must be at least 0 (0: no cap)")
+    return PrefillQueue("chunked", step, chunk or None)
+
+
+def cluster_spec(c: ClusterArgs, capacity: Capacity) -> ClusterSpec:
+    """The cluster options as a ClusterSpec; UsageError names the bad option."""
+    queue = prefill_queue(c)
     try:
-        load = LoadModel(c.prefill_rate, c.prefill_queue)
-    except ValueError as exc:  # the queue is known: the rate is wrong
+        load = LoadModel(c.prefill_rate, queue)
+    except ValueError as exc:  # the queue is checked: the rate is wrong
         raise UsageError(f"--prefill-rate: {exc}") from None
     defaults = ClusterSpec(c.replicas, capacity)
     default = defaults.guard

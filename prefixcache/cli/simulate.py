@@ -17,6 +17,7 @@ from prefixcache.reports.record import TOP_SITES, RunRecord, build_record
 from prefixcache.sim.cluster import DEFAULT_NEAR_TOKENS, DEFAULT_PREFILL_RATE, cluster_replay, global_bound
 from prefixcache.sim.diagnosis import workload_sites
 from prefixcache.sim.policy import Capacity, ReplayPolicy
+from prefixcache.sim.queueing import DEFAULT_CHUNK_TOKENS, DEFAULT_STEP_TOKENS
 from prefixcache.sim.replay import fewer_gc_passes
 from prefixcache.sim.replay import simulate as run_simulation
 from prefixcache.sim.requests import CacheRequests, from_scenario
@@ -62,9 +63,25 @@ def simulate(
         typer.Option(
             "--prefill-queue",
             help="Cluster load model: how a replica works through its queued prompts: fcfs (one at a time, in "
-            "arrival order) or shared (all at once in equal shares, like chunked prefill interleaving them).",
+            "arrival order) or chunked (engine steps; each prompt gets at most --prefill-chunk-tokens of a step).",
         ),
     ] = "fcfs",
+    prefill_step_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--prefill-step-tokens",
+            help=f"--prefill-queue chunked: tokens one step prefills (default {DEFAULT_STEP_TOKENS:,}; vLLM's "
+            "--max-num-batched-tokens).",
+        ),
+    ] = None,
+    prefill_chunk_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--prefill-chunk-tokens",
+            help=f"--prefill-queue chunked: the most one prompt gets of a step (default {DEFAULT_CHUNK_TOKENS:,}; "
+            "0: no cap; vLLM's --long-prefill-token-threshold).",
+        ),
+    ] = None,
     guard_abs: Annotated[
         float | None,
         typer.Option(
@@ -100,7 +117,17 @@ def simulate(
         if replicas is None:
             _simulate(args, progress, json_out, html, markdown)
         else:
-            cluster = ClusterArgs(replicas, router, prefill_rate, prefill_queue, guard_abs, guard_rel, near_tokens)
+            cluster = ClusterArgs(
+                replicas,
+                router,
+                prefill_rate,
+                prefill_queue,
+                prefill_step_tokens,
+                prefill_chunk_tokens,
+                guard_abs,
+                guard_rel,
+                near_tokens,
+            )
             record = run_cluster(args, cluster, progress)
             write_cluster(record, json_out, html, markdown)
             if any(r.get("partial") for r in record["routers"]):
@@ -203,7 +230,7 @@ def run_cluster(args: WorkloadArgs, cluster: ClusterArgs, progress: bool) -> dic
         "replicas": replicas,
         "capacity_blocks_per_replica": caps[0].blocks,
         "prefill_rate": spec.load.prefill_rate,
-        "prefill_queue": spec.load.queue,
+        **spec.load.queue.settings(),
         "guard": {"abs_threshold": spec.guard.abs_threshold, "rel_threshold": spec.guard.rel_threshold},
         "near_tokens": spec.near,
         "eviction": policy.eviction,

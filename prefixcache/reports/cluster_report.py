@@ -19,6 +19,7 @@ from prefixcache.reports import format as fmt
 from prefixcache.reports.document import Document, Figure, Section, Table
 from prefixcache.reports.output import write_output
 from prefixcache.reports.plots import new_figure, png
+from prefixcache.sim.queueing import PrefillQueue
 
 COMMAND = "simulate-cluster"
 VERSION = 1
@@ -92,10 +93,18 @@ def comparison(record: dict[str, Any]) -> Table:
     rows.append([f"one cache of {s['replicas']}x", fmt.pct(bound), "", "", "", "", ""])
     title = (
         f"{s['replicas']} replicas x {fmt.integer(s['capacity_blocks_per_replica'])} blocks, "
-        f"prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica, {s.get('prefill_queue', 'fcfs')} queue"
+        f"prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica, {_queue_label(s)} queue"
     )
     header = ["router", "hit rate", "gap closed", "req max/min", "busy max/min", "p50 queue", "p99 queue"]
     return Table(header, rows, title)
+
+
+def _queue_label(settings: dict[str, Any]) -> str:
+    """The replicas' queue in words (a record from an older version may name a queue this one lacks)."""
+    try:
+        return PrefillQueue.from_settings(settings).label
+    except (ValueError, KeyError):
+        return str(settings.get("prefill_queue"))
 
 
 def decisions(record: dict[str, Any]) -> Table:
@@ -157,7 +166,8 @@ def document(record: dict[str, Any]) -> Document:
 LOAD_NOTE = (
     "Load model: each replica prefills at a fixed rate; a request brings uncached prompt tokens / rate seconds "
     "of prefill, and its queueing delay is its time on the replica beyond that. An fcfs queue prefills one "
-    "prompt at a time in arrival order; a shared queue prefills every queued prompt at once in equal shares "
-    "(chunked prefill interleaving them). Decoding is not modelled. The last row is one cache of the "
+    "prompt at a time in arrival order; a chunked queue prefills in engine steps of a fixed token budget, each "
+    "prompt given at most a chunk of a step (vLLM's scheduler with --long-prefill-token-threshold), so short "
+    "prompts pass long ones. Decoding is not modelled. The last row is one cache of the "
     "cluster's total size fed every request: the bound any routing over separate caches can reach."
 )

@@ -6,13 +6,13 @@ replica caches, fed by the replicas' own cache events, and the routing policy (t
 router runs) picks a replica per request from it and from the replicas' loads.
 
 **Load, in time.** Every replica prefills at a fixed rate (``LoadModel.prefill_rate``, tokens per second). A
-request arriving at its timestamp with ``u`` uncached prompt tokens brings ``u / rate`` seconds of prefill to
-the chosen replica, which works through its queue first come, first served (``LoadModel.queue="fcfs"``, the
-default) or on every queued prompt at once, in equal shares (``"shared"``: chunked prefill interleaving the
-prompts; ``prefixcache.sim.queueing``). A request's queueing delay is its time on the replica beyond its own
-prefill. A replica's load, as the router sees it at a request's arrival, is the prefill work it has not
-finished yet, in tokens (the same under both queues, so are the routing decisions); ``prefix_balanced``'s
-thresholds are tokens too: the load guard at
+request arriving at its timestamp with ``u`` uncached prompt tokens brings them to the chosen replica, which
+works through its queue as ``LoadModel.queue`` says (``prefixcache.sim.queueing``): first come, first served,
+one prompt at a time (``fcfs``, the default), or step by step with a cap on what one prompt takes of a step
+(``chunked``, vLLM's scheduler with ``--long-prefill-token-threshold``). A request's queueing delay is its time on
+the replica beyond its own prefill (``u / rate``). A replica's load, as the router sees it at a request's
+arrival, is the prefill work it has not finished yet, in tokens (the same under both queues, so are the routing
+decisions); ``prefix_balanced``'s thresholds are tokens too: the load guard at
 ``DEFAULT_GUARD_TOKENS`` (and 1.5x), and ``near`` at ``DEFAULT_NEAR_TOKENS``: a request whose longest held
 prefix is too short to follow (under ``min_match``) goes, among the replicas within ``near`` tokens of the least
 loaded, to the one holding the longest prefix (``prefixcache.sim.routing.RoutingConfig``). Decoding is not
@@ -31,7 +31,7 @@ from typing import Any
 
 from prefixcache.core.events import CacheEvent
 from prefixcache.sim.policy import Capacity, ReplayPolicy
-from prefixcache.sim.queueing import QUEUE_DISCIPLINES, replica_delays
+from prefixcache.sim.queueing import PrefillQueue, replica_delays
 from prefixcache.sim.replay import TIMESTAMP_UNIT_S, UNLIMITED_POOL_BLOCKS, Replayer, fewer_gc_passes, replay
 from prefixcache.sim.requests import CacheRequests
 from prefixcache.sim.results import Row, RunResult, percentile
@@ -44,19 +44,18 @@ DEFAULT_NEAR_TOKENS = 3_000.0  # RoutingConfig.near here: a short prefix settles
 
 @dataclass(frozen=True)
 class LoadModel:
-    """How load is modelled: each replica prefills ``prefill_rate`` tokens per second, its queue served by
-    ``queue`` (one of ``QUEUE_DISCIPLINES``: ``fcfs``, one prompt at a time in arrival order; ``shared``, every
-    queued prompt at once in equal shares)."""
+    """How load is modelled: each replica prefills ``prefill_rate`` tokens per second, working through its
+    queued prompts as ``queue`` says (``fcfs`` by default; see ``prefixcache.sim.queueing``)."""
 
     prefill_rate: float = DEFAULT_PREFILL_RATE
-    queue: str = "fcfs"
+    queue: PrefillQueue = field(default_factory=PrefillQueue)
 
     def __post_init__(self) -> None:
         r = self.prefill_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (r > 0 and math.isfinite(r)):
             raise ValueError(f"prefill_rate must be a positive number of tokens per second, got {r!r}")
-        if self.queue not in QUEUE_DISCIPLINES:
-            raise ValueError(f"queue must be one of {', '.join(QUEUE_DISCIPLINES)}, got {self.queue!r}")
+        if not isinstance(self.queue, PrefillQueue):
+            raise TypeError(f"queue must be a PrefillQueue, got {self.queue!r}")
 
 
 @dataclass(frozen=True)
@@ -90,23 +89,23 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class ClusterResult:
     """One cluster replay: the rows in request order (each from the replica that served it) and, per request,
-    the replica, the routing reason, the queueing delay (under ``spec.load.queue``), the prefill seconds and
-    the arrival time (seconds of trace time)."""
+    the replica, the routing reason, the queueing delay (under ``spec.load.queue``), the tokens it prefilled
+    and the arrival time (seconds of trace time)."""
 
     spec: ClusterSpec
     run: RunResult
     replica: tuple[int, ...]
     reason: tuple[str, ...]
     queue_delay_s: tuple[float, ...]
-    service_s: tuple[float, ...]
+    prefill_tokens: tuple[int, ...]
     arrival_s: tuple[float, ...]
 
-    def delays(self, queue: str) -> list[float]:
-        """Every request's queueing delay had its replicas served their queues by ``queue`` instead (the routing
-        decisions stay: they depend only on the work not yet done, the same under every queue)."""
-        return replica_delays(self.arrival_s, self.service_s, self.replica, queue)
+    def delays(self, queue: PrefillQueue) -> list[float]:
+        """Every request's queueing delay had its replicas worked through their queues by ``queue`` instead
+        (the routing decisions stay: they depend only on the work not yet done, the same under every queue)."""
+        return replica_delays(self.arrival_s, self.prefill_tokens, self.replica, self.spec.load.prefill_rate, queue)
 
-    def summary(self, queue: str | None = None) -> dict[str, Any]:
+    def summary(self, queue: PrefillQueue | None = None) -> dict[str, Any]:
         """Hit rates, per-replica shares, imbalance and queueing delay over the measured requests (the delays
         under ``queue`` when given: see ``delays``)."""
         n = self.spec.replicas
@@ -116,21 +115,20 @@ class ClusterResult:
         measured = [k for k, row in enumerate(self.run.rows) if not row.warmup]
         reqs = [0] * n
         prefill = [0] * n
-        busy = [0.0] * n
         reasons: dict[str, int] = {}
         for k in measured:
-            r, row = self.replica[k], self.run.rows[k]
+            r = self.replica[k]
             reqs[r] += 1
-            prefill[r] += row.prompt_tokens - row.cached_tokens
-            busy[r] += self.service_s[k]
+            prefill[r] += self.prefill_tokens[k]
             reasons[self.reason[k]] = reasons.get(self.reason[k], 0) + 1
         delays = [all_delays[k] for k in measured]
+        busy = [p / self.spec.load.prefill_rate for p in prefill]
         return {
             "router": self.spec.router,
             "replicas": n,
             "capacity_blocks_per_replica": self.spec.capacity.blocks,
             "prefill_rate": self.spec.load.prefill_rate,
-            "prefill_queue": queue,
+            **queue.settings(),
             "requests": t["requests"],
             "prompt_tokens": t["prompt_tokens"],
             "cached_tokens": t["cached_tokens"],
@@ -192,7 +190,7 @@ def cluster_replay(
     chosen: list[int] = []
     reasons: list[str] = []
     arrivals: list[float] = []
-    service: list[float] = []
+    tokens: list[int] = []
     now = 0.0
     partial = False
     try:
@@ -215,20 +213,20 @@ def cluster_replay(
                 decision = router.choose(replicas, matched, loads, blocks=blocks)
                 r = decision.replica
                 row = nodes[r].serve(i, i < first)
-                work = (row.prompt_tokens - row.cached_tokens) / rate
-                busy_until[r] = max(now, busy_until[r]) + work  # when its queue drains, under any queue
+                work = row.prompt_tokens - row.cached_tokens
+                busy_until[r] = max(now, busy_until[r]) + work / rate  # when its queue drains, under any queue
                 rows.append(row)
                 chosen.append(r)
                 reasons.append(decision.reason)
                 arrivals.append(now)
-                service.append(work)
+                tokens.append(work)
                 if on_row is not None:
                     on_row(row, r)
     except KeyboardInterrupt:
         partial = True
     run = RunResult(spec.capacity, pool, reqs.block_size, tuple(rows), partial)
-    delays = replica_delays(arrivals, service, chosen, spec.load.queue)
-    return ClusterResult(spec, run, tuple(chosen), tuple(reasons), tuple(delays), tuple(service), tuple(arrivals))
+    delays = replica_delays(arrivals, tokens, chosen, rate, spec.load.queue)
+    return ClusterResult(spec, run, tuple(chosen), tuple(reasons), tuple(delays), tuple(tokens), tuple(arrivals))
 
 
 def global_bound(reqs: CacheRequests, spec: ClusterSpec, policy: ReplayPolicy = ReplayPolicy()) -> RunResult:

@@ -168,6 +168,8 @@ LOAD_NOTE = (
     "of prefill, and its queueing delay is its time on the replica beyond that. An fcfs queue prefills one "
     "prompt at a time in arrival order; a chunked queue prefills in engine steps of a fixed token budget, each "
     "prompt given at most a chunk of a step (vLLM's scheduler with --long-prefill-token-threshold), so short "
-    "prompts pass long ones. Decoding is not modelled. The last row is one cache of the "
+    "prompts pass long ones. Prefix-affine routing sends a conversation's next turn to the replica holding "
+    "its history: under fcfs it waits there behind any long cold prompt; a cap (chunked) lets it pass. "
+    "Decoding is not modelled. The last row is one cache of the "
     "cluster's total size fed every request: the bound any routing over separate caches can reach."
 )

@@ -1,10 +1,12 @@
 """Batcher: requests that wait together run as ONE batched ``PrefixCachedModel.generate``.
 
 Calls queue up on the event loop. The batch loop takes the oldest call and every other waiting call with the
-same sampling settings, up to ``max_batch_size``, waiting at most ``batch_wait_ms`` after the oldest call's
-arrival for more to come (calls that arrived while the previous batch ran have waited already and go at
-once). The batch runs on one worker thread, off the event loop: left-padded rows, one namespace per row (each
-row served from its own cached prefix), ``max_new_tokens`` the largest asked for. A stopping criterion watches
+same sampling settings, up to ``max_batch_size``, waiting for more to come until ``batch_wait_ms`` after the
+oldest call's arrival or after the previous batch ended, whichever is later: the callers of the batch that just
+ended (a chat's next turn, an agent's next step) come back within a few milliseconds, and without that wait
+the calls that queued during a batch would leave alone and the two halves of the clients would alternate in
+half-full batches. The batch runs on one worker thread, off the event loop: left-padded rows, one namespace
+per row (each row served from its own cached prefix), ``max_new_tokens`` the largest asked for. A stopping criterion watches
 every step: it streams each row's new token to its caller, stops a row at its EOS, its own ``max_tokens`` or
 when its caller went away, so greedy rows come out exactly as they would one at a time.
 """
@@ -195,6 +197,7 @@ class Batcher:
     async def _loop(self) -> None:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
+        free_since = 0.0  # when the previous batch ended (monotonic seconds)
         while True:
             while self._pending and self._pending[0].cancelled:
                 self._pending.popleft()
@@ -205,7 +208,7 @@ class Batcher:
                 await self._wakeup.wait()
                 continue
             first = self._pending[0]
-            deadline = first.arrived + self.batch_wait
+            deadline = max(first.arrived, free_since) + self.batch_wait
             while self._compatible(first) < self.max_batch_size and not self._closing:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -228,6 +231,7 @@ class Batcher:
                 raise
             finally:
                 self.running = 0
+                free_since = time.monotonic()
 
     def _compatible(self, first: _Job) -> int:
         key = first.call.sampling

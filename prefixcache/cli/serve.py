@@ -42,7 +42,11 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
         max_batch_size: int = typer.Option(8, "--max-batch-size", min=1, help="Requests per batched generate."),
         batch_wait_ms: float = typer.Option(
-            5.0, "--batch-wait-ms", min=0.0, help="How long the oldest waiting request waits for others to join."
+            5.0,
+            "--batch-wait-ms",
+            min=0.0,
+            help="How long a batch waits for more requests to join, from its oldest request's arrival or the previous "
+            "batch's end (the later).",
         ),
         max_tokens: int = typer.Option(
             256, "--default-max-tokens", min=1, help="Tokens a chat completion may generate when it names no limit."

@@ -22,7 +22,7 @@ side), mean batch size, server CPU per request (one process only), requests per 
 their max/min. Every server is a ``prefixcache serve`` subprocess on 127.0.0.1; each round is bounded in
 requests and seconds.
 
-    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--rounds 3] [--json FILE]
+    python benchmarks/bench_serve.py [--clients 8] [--setups abcd] [--rounds 3] [--batch-wait-ms 20] [--json FILE]
 """
 
 from __future__ import annotations
@@ -300,7 +300,15 @@ def run_group(runs: list[Run], args: argparse.Namespace, logdir: Path) -> dict[s
         for run in runs:
             s = run.setup
             pool = run.pool_factor * args.replica_cache_tokens
-            cli = [*s.args, "--model", args.model, "--max-cached-tokens", str(pool), "--batch-wait-ms", "2"]
+            cli = [
+                *s.args,
+                "--model",
+                args.model,
+                "--max-cached-tokens",
+                str(pool),
+                "--batch-wait-ms",
+                str(args.batch_wait_ms),
+            ]
             log = logdir / f"server_{run.key}_{run.phase}.log"
             url, pid = stack.enter_context(server(cli, log, args.startup_s))
             replicas = int(s.args[s.args.index("--replicas") + 1]) if "--replicas" in s.args else 1
@@ -384,6 +392,13 @@ def main() -> None:
     ap.add_argument("--user-tokens", type=int, default=100, help="user message length (byte tokens)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn")
     ap.add_argument("--think-ms", type=float, default=1000.0, help="routing phase: mean pause before a turn")
+    ap.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=20.0,
+        help="every server's --batch-wait-ms (20: the clients of a batch that just ended come back 10-20 ms later "
+        "on these cores, and join the next batch)",
+    )
     ap.add_argument(
         "--replica-cache-tokens",
         type=int,

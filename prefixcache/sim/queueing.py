@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 QUEUE_DISCIPLINES = ("fcfs", "chunked")
-DEFAULT_STEP_TOKENS = 8_192  # vLLM's --max-num-batched-tokens for `vllm serve` on a large GPU
-DEFAULT_CHUNK_TOKENS = 2_048  # a --long-prefill-token-threshold of a quarter of the step
+DEFAULT_STEP_TOKENS = 8_192  # vLLM's --max-num-batched-tokens for `vllm serve` on an H100-class GPU (2,048 on smaller)
+DEFAULT_CHUNK_TOKENS = 2_048  # --long-prefill-token-threshold (vLLM sets 4% of the context when unset and
+# --max-num-partial-prefills > 1: 5,242 for 128k; else no cap)
 
 
 @dataclass(frozen=True)

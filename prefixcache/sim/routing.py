@@ -362,7 +362,7 @@ class PrefixAffinity:
             return Decision(r, matched.get(r, 0), "load")
         best = max(matched.get(r, 0) for r in replicas)
         if best == 0:
-            return Decision(self._near_tie(replicas, matched, loads), 0, "cold")
+            return Decision(_least_loaded(replicas, loads, self._turns), 0, "cold")  # nothing held to settle ties
         if blocks is not None and best < self.min_match * blocks:
             r = self._near_tie(replicas, matched, loads)
             return Decision(r, matched.get(r, 0), "short")

@@ -1,7 +1,15 @@
 """The cache core: config, chained block hashes, radix tree, allocator, eviction registry, stats, events and
 the ``PrefixCache`` facade. Imports only numpy, xxhash and sortedcontainers."""
 
-from prefixcache.core.cache import CommitResult, Divergence, MatchResult, PrefixCache, RequestHandle
+from prefixcache.core.cache import (
+    BlockCommit,
+    CommitResult,
+    Divergence,
+    MatchResult,
+    OutOfBlocks,
+    PrefixCache,
+    RequestHandle,
+)
 from prefixcache.core.config import DEFAULT_NAMESPACE, CacheConfig
 from prefixcache.core.errors import InputError
 from prefixcache.core.events import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent
@@ -12,6 +20,7 @@ from prefixcache.core.stats import CacheStats
 __all__ = [
     "DEFAULT_NAMESPACE",
     "POLICIES",
+    "BlockCommit",
     "BlocksRemoved",
     "BlocksStored",
     "CacheCleared",
@@ -22,6 +31,7 @@ __all__ = [
     "Divergence",
     "InputError",
     "MatchResult",
+    "OutOfBlocks",
     "PrefixCache",
     "RequestHandle",
     "block_keys",

@@ -58,6 +58,9 @@ class RequestHandle:
     # blocks) while the tree's generation is still ``walked`` (-1: it may not, e.g. match stopped at max_blocks).
     walked: int = field(default=-1, repr=False)
     matched_blocks: int = field(default=0, repr=False)
+    # blocks this request took with ``allocate`` and has not yet cached with ``commit_blocks`` (in flight:
+    # neither free nor in the tree); ``release`` frees them. None until the first ``allocate``.
+    owned: set[int] | None = field(default=None, repr=False)
 
 
 def _ids_tuple(runs: tuple[BlockIds, ...]) -> tuple[int, ...]:
@@ -101,6 +104,23 @@ class CommitResult:
     def block_ids(self) -> tuple[int, ...]:
         """The newly cached block ids, in sequence order (built on first use)."""
         return _ids_tuple((self._new,))
+
+
+@dataclass(frozen=True)
+class BlockCommit:
+    """What ``commit_blocks`` did: ``table`` is the request's block table for the full blocks committed, with the
+    tree's ids where the tree already held a block (use these from now on); ``adopted`` own blocks went into the
+    tree; ``duplicates`` own blocks held content the tree had already and were freed; ``not_cached`` own blocks
+    stay the request's (no room in the tree: a hash collision)."""
+
+    table: tuple[int, ...]
+    adopted: int
+    duplicates: int
+    not_cached: int
+
+
+class OutOfBlocks(MemoryError):
+    """``allocate`` found fewer free blocks than asked for, even after evicting every unpinned block."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +208,9 @@ class PrefixCache:
 
     @property
     def num_cached_blocks(self) -> int:
-        return self.config.num_blocks - self.allocator.num_free
+        """Blocks in the tree (not free, not in flight)."""
+        used = self.config.num_blocks - self.allocator.num_free
+        return used - self.num_owned_blocks if used else 0
 
     @property
     def num_active_requests(self) -> int:
@@ -417,6 +439,92 @@ class PrefixCache:
             )
         return self._insert(handle, terminal, have, len(keys), keys, until, keep_blocks)
 
+    # ---- blocks owned by a running request (the engine, whose pool is the KV of running requests) -------------
+    @property
+    def num_owned_blocks(self) -> int:
+        """Blocks live requests hold in flight (allocated, not in the tree)."""
+        return sum(len(h.owned) for h in self._live.values() if h.owned)
+
+    def allocate(self, handle: RequestHandle, n: int) -> list[int]:
+        """Give the live request ``handle`` ``n`` blocks of its own to write KV into, evicting unpinned leaves as
+        needed. They are in flight (neither free nor cached) until ``commit_blocks`` caches them or ``release``
+        frees them. Raises ``OutOfBlocks`` if even evicting every unpinned block frees too few (the blocks it
+        evicted stay free; the cache stays consistent)."""
+        self._check_live(handle)
+        n = check_int(n, "n", minimum=0, type_error=ValueError)
+        if n == 0:
+            return []
+        free = self.allocator.num_free
+        if n > free:
+            events: list[CacheEvent] | None = [] if self._subscribers else None
+            free += self._evict(n - free, events)
+            if events:
+                self._subscribers.emit(events)
+            if n > free:
+                raise OutOfBlocks(f"asked for {n} blocks, {free} free after evicting every unpinned block")
+        ids = ids_list(self.allocator.allocate(n))
+        if handle.owned is None:
+            handle.owned = set()
+        handle.owned.update(ids)
+        return ids
+
+    @contextmanager
+    def borrowed_blocks(self, n: int) -> Iterator[list[int]]:
+        """``n`` blocks (evicting unpinned ones as needed) to use as scratch space inside the ``with`` block, freed
+        on exit however it exits; nothing is matched or counted. Raises ``OutOfBlocks`` if they cannot be had."""
+        handle = RequestHandle(next(self._ids), "tokens", DEFAULT_NAMESPACE, None, None)
+        self._live[handle.id] = handle
+        try:
+            yield self.allocate(handle, n)
+        finally:
+            self._release(handle)
+
+    def commit_blocks(
+        self, handle: RequestHandle, tokens: Any, block_ids: Sequence[int], *, keep_for: float | None = None
+    ) -> BlockCommit:
+        """Cache the full blocks of ``tokens`` (the request's sequence so far) whose KV is already in the pool:
+        ``block_ids[i]`` holds block i, either a block the request matched or took with ``allocate``. Nothing is
+        copied: own blocks join the tree by id. Where the tree already holds a block of that content (another
+        request cached it meanwhile), the tree's id wins and the request's copy is freed; ``BlockCommit.table``
+        says which ids to use from now on. Moves the handle's pin to the whole cached path (the request keeps
+        running). Changes the cache."""
+        self._check_live(handle)
+        if handle.mode != "tokens":
+            raise ValueError(f"request {handle.id} was matched by keys; commit_blocks takes tokens")
+        data = token_bytes(tokens)
+        nblocks = len(data) // self.tree.block_bytes
+        if len(block_ids) < nblocks:
+            raise ValueError(f"commit_blocks: {len(block_ids)} block ids for {nblocks} full blocks of tokens")
+        owned = handle.owned or set()
+        root = self.tree.roots.get(("tokens", handle.namespace))
+        terminal, have = self._walked(self.tree.walk_tokens(root, data, nblocks))
+        tree_ids = self._path_ids(terminal)
+        dups = [int(b) for b, t in zip(block_ids[:have], tree_ids) if int(b) != t]
+        own = [int(b) for b in block_ids[have:nblocks]]
+        stray = [b for b in dups + own if b not in owned]
+        if stray:
+            raise ValueError(f"commit_blocks: blocks {stray[:8]} are neither the tree's nor request {handle.id}'s own")
+        until = self._until(handle.namespace, keep_for)
+        res = self._insert(handle, terminal, have, nblocks, data, until, None, own=own)
+        adopted = len(res._new)
+        owned.difference_update(own[:adopted])
+        if dups:
+            owned.difference_update(dups)
+            self.allocator.free(np.asarray(dups, dtype=np.int64))
+        return BlockCommit((*tree_ids, *own[:adopted]), adopted, len(dups), len(own) - adopted)
+
+    def _path_ids(self, terminal: Node | None) -> list[int]:
+        """The block ids of the path from the root to ``terminal``, in order."""
+        runs: list[BlockIds] = []
+        node = terminal
+        while node is not None and node.parent is not None:
+            runs.append(node.blocks)
+            node = node.parent
+        out: list[int] = []
+        for run in reversed(runs):
+            out.extend(ids_list(run))
+        return out
+
     def retain_namespace(self, namespace: str, keep_for: float | None) -> None:
         """Default ``keep_for`` of every later commit in ``namespace`` (None: stop). Changes only that default."""
         check_str(namespace, "namespace")
@@ -451,9 +559,11 @@ class PrefixCache:
         source: Any,
         until: float | None,
         keep_blocks: int | None,
+        own: Sequence[int] | None = None,
     ) -> CommitResult:
         """Cache blocks ``have..nblocks`` of ``source`` under ``terminal`` (the end of its cached path, ``have``
-        blocks long), moving the handle's pins onto that path."""
+        blocks long), moving the handle's pins onto that path. ``own``: the request's own (filled) blocks for
+        them, used instead of allocating (the caller takes the adopted ones out of ``handle.owned``)."""
         mode, namespace, tree = handle.mode, handle.namespace, self.tree
         handle.walked = -1
         self._clock += 1
@@ -478,13 +588,15 @@ class PrefixCache:
                 # Another run hangs under the same key: a hash collision that token verification caught in
                 # the walk. Equal keys must mean equal prefixes, so the new blocks are not cached.
                 fit = 0
+            elif own is not None:
+                fit = want
             else:
                 free = self.allocator.num_free
                 if want > free:
                     free += self._evict(want - free, events)
                 fit = min(want, free)
             if fit > 0:
-                new_ids = self.allocator.allocate(fit)
+                new_ids = self.allocator.allocate(fit) if own is None else array("q", own)
                 parent = terminal if terminal is not None else tree.root(mode, namespace)  # after evicting
                 if mode == "tokens":
                     bb = tree.block_bytes
@@ -560,6 +672,9 @@ class PrefixCache:
         self._unpin_path(handle.terminal)
         handle.released = True
         del self._live[handle.id]
+        if handle.owned:
+            owned, handle.owned = handle.owned, None
+            self.allocator.free(np.fromiter(owned, dtype=np.int64, count=len(owned)))
 
     @contextmanager
     def lookup(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> Iterator[MatchResult]:
@@ -721,10 +836,18 @@ class PrefixCache:
         uniq, counts = np.unique(cached, return_counts=True)
         if len(uniq) != len(cached):
             raise AssertionError(f"block {int(uniq[np.argmax(counts > 1)])} is cached twice")
-        self.allocator.check_integrity(cached, single_owner=True)
+        in_flight = [b for h in self._live.values() if h.owned for b in h.owned]
+        flying = np.asarray(in_flight, dtype=np.int64)
+        if len(np.unique(flying)) != len(flying):
+            raise AssertionError("a block is owned by two live requests")
+        if len(flying) and np.isin(flying, cached).any():
+            raise AssertionError(f"block {int(flying[np.isin(flying, cached)][0])} is both cached and in flight")
+        self.allocator.check_integrity(np.concatenate((cached, flying)), single_owner=True)
         in_policy = {n.id for n in self.policy}
         if in_policy != evictable or len(self.policy) != len(evictable):
             raise AssertionError(f"evictable set {sorted(in_policy)} != unpinned leaves {sorted(evictable)}")
         free = self.allocator.num_free
-        if free + len(cached) != self.config.num_blocks:
-            raise AssertionError(f"free {free} + cached {len(cached)} != num_blocks {self.config.num_blocks}")
+        if free + len(cached) + len(flying) != self.config.num_blocks:
+            raise AssertionError(
+                f"free {free} + cached {len(cached)} + in flight {len(flying)} != num_blocks {self.config.num_blocks}"
+            )

@@ -67,10 +67,10 @@ class KVPool:
                 self._layers.append(None)
                 continue
             (kh, kd), (vh, vd) = spec.k_shape, spec.v_shape
-            self._layers.append(
+            self._layers.append(  # one block more than the cache hands out: the scratch block (see scratch_block)
                 (
-                    torch.zeros((kh, num_blocks, block_size * kd), dtype=dtype, device=self.device),
-                    torch.zeros((vh, num_blocks, block_size * vd), dtype=dtype, device=self.device),
+                    torch.zeros((kh, num_blocks + 1, block_size * kd), dtype=dtype, device=self.device),
+                    torch.zeros((vh, num_blocks + 1, block_size * vd), dtype=dtype, device=self.device),
                 )
             )
         # reusable gather buffers [1, heads, capacity, dim] per layer and side, grown on demand; see gather()
@@ -80,10 +80,22 @@ class KVPool:
     def num_layers(self) -> int:
         return len(self.specs)
 
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s K and V block tensors ``[heads, num_blocks + 1, block_size * dim]`` (None: no KV).
+        The paged engine reads and writes them in place."""
+        return self._layers[index]
+
+    @property
+    def scratch_block(self) -> int:
+        """A block no cache hands out (id ``num_blocks``): where the engine writes K/V it recomputes for logits
+        only (their true K/V already lie in cached blocks). Never read."""
+        return self.num_blocks
+
     @property
     def nbytes(self) -> int:
-        """Bytes the pool's block tensors hold (gather buffers not counted)."""
-        return sum(t.numel() * t.element_size() for pair in self._layers if pair is not None for t in pair)
+        """Bytes the pool's ``num_blocks`` blocks hold (the scratch block and gather buffers not counted)."""
+        per_block = sum(t[:, 0].numel() * t.element_size() for pair in self._layers if pair is not None for t in pair)
+        return per_block * self.num_blocks
 
     def gather(self, block_ids: Sequence[int], reserve: int = 0) -> list[LayerKV | None]:
         """K, V of ``block_ids`` in order, per layer, each ``[1, heads, len(block_ids) * block_size, dim]``.

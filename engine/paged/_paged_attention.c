@@ -1,0 +1,200 @@
+/* Paged attention for float32 KV pools on the CPU: every query reads its row's keys and values where they lie in
+ * the pool, through the row's block table (no gather into a per-row buffer).
+ *
+ * Pool layout, per layer and side: [Hkv][num_blocks][block_size * D] floats (engine/kv_pool.py), so one head's
+ * block is block_size * D contiguous floats.
+ * Queries: token-major, q[t][h][d] at q + t * q_st + h * q_sh + d (d contiguous). Output: out[t][h][d], contiguous
+ * [T][Hq][D].
+ * Row r: queries q_start[r] .. q_start[r] + q_len[r] - 1; key positions 0 .. kv_len[r] - 1, block i of them in
+ * pool block tables[r * table_stride + i]. Query i of the row has position kv_len[r] - q_len[r] + i and attends
+ * the keys j <= its position, and j > position - window when window > 0 (transformers' sliding window).
+ * Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0 (Gemma 2), then a softmax.
+ * Query head h reads kv head h / (Hq / Hkv) (grouped-query attention).
+ *
+ * Work items are (row, kv head) pairs, split across a small pool of threads made on first use. Numerics: an online
+ * softmax one block at a time, in float32; exp is a polynomial accurate to about 2 ulp that the compiler can
+ * vectorise.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+#define MAX_BLOCK 1024
+#define MAX_DIM 1024
+
+typedef struct {
+    const float *q;
+    int64_t q_st, q_sh;
+    const float *kpool, *vpool;
+    int64_t pool_blocks;
+    int bs, dim, hkv, hq;
+    const int32_t *tables;
+    int64_t table_stride;
+    const int32_t *q_start, *q_len, *kv_len;
+    int rows;
+    float scale, softcap;
+    int window;
+    float *out;
+} job_t;
+
+/* exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r), |r| <= ln2 / 2. */
+static inline float fast_exp(float x) {
+    if (x < -87.0f) x = -87.0f;
+    const float log2e = 1.44269504088896341f;
+    float n = __builtin_roundf(x * log2e);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[d + k] * b[d + k];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* One (row, kv head): every query of the row, every query head of the group. */
+static void run_item(const job_t *j, int r, int g) {
+    const int bs = j->bs, D = j->dim, G = j->hq / j->hkv;
+    const int ql = j->q_len[r], kv = j->kv_len[r], qs = j->q_start[r];
+    const int32_t *table = j->tables + (int64_t)r * j->table_stride;
+    const int64_t head_base = (int64_t)g * j->pool_blocks * bs * D;
+    float s[MAX_BLOCK], acc[MAX_DIM];
+    for (int i = 0; i < ql; i++) {
+        const int pos = kv - ql + i;
+        const int lo = (j->window > 0 && pos - j->window + 1 > 0) ? pos - j->window + 1 : 0;
+        for (int hh = 0; hh < G; hh++) {
+            const int h = g * G + hh;
+            const float *qv = j->q + (int64_t)(qs + i) * j->q_st + (int64_t)h * j->q_sh;
+            float m = -INFINITY, l = 0.0f;
+            for (int d = 0; d < D; d++) acc[d] = 0.0f;
+            for (int b = lo / bs; b <= pos / bs; b++) {
+                const int64_t off = head_base + (int64_t)table[b] * bs * D;
+                const float *kb = j->kpool + off, *vb = j->vpool + off;
+                const int t0 = lo > b * bs ? lo - b * bs : 0;
+                const int t1 = pos - b * bs < bs - 1 ? pos - b * bs : bs - 1;
+                float bm = -INFINITY;
+                for (int t = t0; t <= t1; t++) {
+                    float sc = dot(qv, kb + (int64_t)t * D, D) * j->scale;
+                    if (j->softcap > 0.0f) sc = j->softcap * tanhf(sc / j->softcap);
+                    s[t] = sc;
+                    if (sc > bm) bm = sc;
+                }
+                if (bm > m) {
+                    const float c = fast_exp(m - bm);
+                    l *= c;
+                    for (int d = 0; d < D; d++) acc[d] *= c;
+                    m = bm;
+                }
+                for (int t = t0; t <= t1; t++) s[t] = fast_exp(s[t] - m);
+                for (int t = t0; t <= t1; t++) {
+                    const float w = s[t];
+                    const float *vr = vb + (int64_t)t * D;
+                    l += w;
+                    for (int d = 0; d < D; d++) acc[d] += w * vr[d];
+                }
+            }
+            float *o = j->out + ((int64_t)(qs + i) * j->hq + h) * D;
+            const float inv = 1.0f / l;
+            for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+        }
+    }
+}
+
+static void run_share(const job_t *j, int share, int shares) {
+    const int items = j->rows * j->hkv;
+    for (int it = share; it < items; it += shares) run_item(j, it / j->hkv, it % j->hkv);
+}
+
+/* ---- a small persistent thread pool ---------------------------------------------------------------------- */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t start_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
+static int started = 0, generation = 0, pending = 0, shares_now = 1;
+static const job_t *current = 0;
+static int start_gen[MAX_THREADS]; /* the generation each worker was made at: it runs every later one */
+
+static void *worker(void *arg) {
+    const int share = (int)(intptr_t)arg;
+    pthread_mutex_lock(&mu);
+    int seen = start_gen[share];
+    pthread_mutex_unlock(&mu);
+    for (;;) {
+        pthread_mutex_lock(&mu);
+        while (generation == seen) pthread_cond_wait(&start_cv, &mu);
+        seen = generation;
+        const job_t *j = current;
+        const int shares = shares_now;
+        pthread_mutex_unlock(&mu);
+        if (share < shares) run_share(j, share, shares);
+        pthread_mutex_lock(&mu);
+        if (--pending == 0) pthread_cond_signal(&done_cv);
+        pthread_mutex_unlock(&mu);
+    }
+    return 0;
+}
+
+static int ensure_threads(int n) {
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    while (started < n - 1) {
+        pthread_t t;
+        pthread_mutex_lock(&mu);
+        start_gen[started + 1] = generation;
+        pthread_mutex_unlock(&mu);
+        if (pthread_create(&t, 0, worker, (void *)(intptr_t)(started + 1)) != 0) break;
+        pthread_detach(t);
+        started++;
+    }
+    return started + 1;
+}
+
+/* Returns 0, or -1 when a block or head is too large for this kernel (the caller uses its fallback). */
+int paged_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kpool, const float *vpool,
+                        int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                        int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                        int rows, float scale, float softcap, int window, float *out, int threads) {
+    if (bs > MAX_BLOCK || dim > MAX_DIM || hkv <= 0 || hq % hkv != 0) return -1;
+    job_t j = {q, q_st, q_sh, kpool, vpool, pool_blocks, bs, dim, hkv, hq, tables, table_stride,
+               q_start, q_len, kv_len, rows, scale, softcap, window, out};
+    const int items = rows * hkv;
+    int n = threads < items ? threads : items;
+    if (n <= 1) {
+        run_share(&j, 0, 1);
+        return 0;
+    }
+    pthread_mutex_lock(&call_mu);
+    n = ensure_threads(n);
+    if (n > 1) {
+        pthread_mutex_lock(&mu);
+        current = &j;
+        shares_now = n;
+        pending = started;
+        generation++;
+        pthread_cond_broadcast(&start_cv);
+        pthread_mutex_unlock(&mu);
+    }
+    run_share(&j, 0, n);
+    if (n > 1) {
+        pthread_mutex_lock(&mu);
+        while (pending > 0) pthread_cond_wait(&done_cv, &mu);
+        pthread_mutex_unlock(&mu);
+    }
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}

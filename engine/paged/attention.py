@@ -1,0 +1,272 @@
+"""Attention over the KV pool through block tables, plugged into transformers' ``AttentionInterface``.
+
+One forward runs a flat batch (``StepBatch``): the new tokens of several sequences one after the other, each
+sequence a row with its block table (the pool blocks holding its keys and values, in order), its length after
+this step and how many of its tokens are new. The model runs on its own modeling code; two things are ours:
+
+* ``PagedKV`` stands in for its cache: ``update`` writes each layer's new keys and values into the pool at the
+  rows' slots (one ``index_copy_`` per side) and hands them back;
+* the attention function ``paged_attention`` (registered as ``ATTENTION_NAME``) reads each row's keys and values
+  from the pool where they lie: rows with few new tokens (decoding) through the C kernel, in place; rows with
+  many (prefill chunks), or where the kernel is unavailable, gathered and run through SDPA (or, with a logit
+  soft-cap, the eager formula).
+
+The model computes no mask (transformers makes none for an attention implementation it has no mask function
+for): causality, sliding windows and the rows' boundaries come from the batch.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_pool import KVPool
+from engine.paged import kernel
+
+ATTENTION_NAME = "prefixcache_paged"
+KERNEL_MAX_QUERIES = 4  # rows with at most this many new tokens go through the C kernel (when available)
+
+_current: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("prefixcache_step", default=None)
+
+
+@dataclass
+class Row:
+    """One sequence of a step: ``q_len`` new tokens at positions ``kv_len - q_len .. kv_len - 1`` (the flat
+    batch's tokens ``q_start ..``); ``blocks`` holds its keys and values, block i = positions i*bs .. .
+    Positions below ``fresh_from`` are recomputed for their logits only: their K/V already lie in ``blocks``
+    (cached, perhaps shared), so what the forward makes of them goes to the pool's scratch block."""
+
+    q_start: int
+    q_len: int
+    kv_len: int
+    blocks: Sequence[int]
+    fresh_from: int = 0
+
+
+@dataclass
+class StepBatch:
+    """The metadata of one flat forward over ``pool``; built by ``StepBatch.make``. Tensors live on the pool's
+    device; ``layer`` is the pool layer the model updated last (attention reads that one)."""
+
+    pool: KVPool
+    rows: list[Row]
+    slots: torch.Tensor  # [T] long: the pool slot (block * block_size + offset) of every new token
+    positions: torch.Tensor  # [T] long
+    kernel_rows: list[int]  # rows attended by the C kernel
+    torch_rows: list[int]  # rows attended by the torch path
+    tables: torch.Tensor | None = None  # [R_kernel, max_blocks] int32 (kernel rows)
+    q_start: torch.Tensor | None = None  # [R_kernel] int32
+    q_len: torch.Tensor | None = None
+    kv_len: torch.Tensor | None = None
+    layer: int = -1
+    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, pool: KVPool, rows: list[Row], *, use_kernel: bool = True) -> StepBatch:
+        """The batch of ``rows`` (their tokens in that order). Checks that every row's blocks cover its length."""
+        bs = pool.block_size
+        slots: list[int] = []
+        positions: list[int] = []
+        at = 0
+        for r in rows:
+            if r.q_start != at or r.q_len < 1 or r.kv_len < r.q_len:
+                raise ValueError(f"StepBatch: bad row {r} (tokens so far: {at})")
+            if len(r.blocks) * bs < r.kv_len:
+                raise ValueError(f"StepBatch: {len(r.blocks)} blocks cannot hold {r.kv_len} tokens")
+            first = r.kv_len - r.q_len
+            scratch = pool.scratch_block * bs
+            for p in range(first, r.kv_len):
+                slots.append(int(r.blocks[p // bs]) * bs + p % bs if p >= r.fresh_from else scratch + p % bs)
+            positions.extend(range(first, r.kv_len))
+            at += r.q_len
+        device = pool.device
+        lib = kernel.load() if use_kernel and pool.dtype == torch.float32 and device.type == "cpu" else None
+        krows = [i for i, r in enumerate(rows) if lib is not None and r.q_len <= KERNEL_MAX_QUERIES]
+        trows = [i for i in range(len(rows)) if lib is None or rows[i].q_len > KERNEL_MAX_QUERIES]
+        batch = cls(
+            pool,
+            rows,
+            torch.tensor(slots, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            krows,
+            trows,
+        )
+        if krows:
+            width = max(len(rows[i].blocks) for i in krows)
+            table = torch.zeros((len(krows), width), dtype=torch.int32)
+            for j, i in enumerate(krows):
+                b = rows[i].blocks
+                table[j, : len(b)] = torch.as_tensor(list(b), dtype=torch.int32)
+            batch.tables = table
+            batch.q_start = torch.tensor([rows[i].q_start for i in krows], dtype=torch.int32)
+            batch.q_len = torch.tensor([rows[i].q_len for i in krows], dtype=torch.int32)
+            batch.kv_len = torch.tensor([rows[i].kv_len for i in krows], dtype=torch.int32)
+        return batch
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.shape[0])
+
+    def mask(self, row: int, window: int) -> torch.Tensor:
+        """Boolean [q_len, kv_len] mask of ``row`` (True: attend): causal, and within ``window`` (0: no window)."""
+        key = (row, window)
+        m = self._masks.get(key)
+        if m is None:
+            r = self.rows[row]
+            device = self.pool.device
+            q_pos = torch.arange(r.kv_len - r.q_len, r.kv_len, device=device)[:, None]
+            k_pos = torch.arange(r.kv_len, device=device)[None, :]
+            m = k_pos <= q_pos
+            if window > 0:
+                m &= k_pos > q_pos - window
+            self._masks[key] = m
+        return m
+
+
+class PagedKV:
+    """What the model sees as its cache during a paged forward: ``update`` writes new K/V into the pool."""
+
+    is_compileable = False
+
+    def __init__(self, batch: StepBatch) -> None:
+        self.batch = batch
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this layer's new keys and values ([1, heads, T, dim]) into the pool at the batch's slots."""
+        b = self.batch
+        pair = b.pool.layer(layer_idx)
+        if pair is None:
+            raise RuntimeError(f"paged forward: layer {layer_idx} has no KV in the pool")
+        for src, dst in zip((key_states, value_states), pair):
+            heads, _, width = dst.shape
+            flat = dst.view(heads, -1, width // b.pool.block_size)
+            flat.index_copy_(1, b.slots, src[0].to(dst.dtype))
+        b.layer = layer_idx
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class use_batch:
+    """Context manager: ``batch`` is the step that ``paged_attention`` serves inside it."""
+
+    def __init__(self, batch: StepBatch) -> None:
+        self.batch = batch
+
+    def __enter__(self) -> StepBatch:
+        self._token = _current.set(self.batch)
+        return self.batch
+
+    def __exit__(self, *exc: object) -> None:
+        _current.reset(self._token)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` function: attention of the step's queries ([1, Hq, T, D]) over every row's keys
+    and values in the pool. Returns [1, T, Hq, D] (as transformers' attention functions do)."""
+    b = _current.get()
+    if b is None:
+        raise RuntimeError(
+            f"the {ATTENTION_NAME!r} attention runs only inside a paged forward (engine.paged.runner); "
+            "this model's attention implementation was left switched to it"
+        )
+    pair = b.pool.layer(b.layer)
+    assert pair is not None
+    kpool, vpool = pair
+    _, hq, t, dim = query.shape
+    hkv = kpool.shape[0]
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(dim)
+    cap = float(softcap) if softcap else 0.0
+    window = int(sliding_window) if sliding_window else 0
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    out = torch.empty((t, hq, dim), dtype=query.dtype, device=query.device)
+    if b.kernel_rows:
+        _kernel_attention(b, q, kpool, vpool, hkv, scale, cap, window, out)
+    for i in b.torch_rows:
+        _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
+    return out.unsqueeze(0), None
+
+
+def _kernel_attention(b, q, kpool, vpool, hkv, scale, cap, window, out) -> None:
+    lib = kernel.load()
+    assert lib is not None and b.tables is not None
+    qf = q if q.dtype == torch.float32 else q.float()
+    if qf.stride(2) != 1:
+        qf = qf.contiguous()
+    bs = b.pool.block_size
+    dim = q.shape[2]
+    rc = lib.paged_attention_f32(
+        ctypes.c_void_p(qf.data_ptr()),
+        qf.stride(0),
+        qf.stride(1),
+        ctypes.c_void_p(kpool.data_ptr()),
+        ctypes.c_void_p(vpool.data_ptr()),
+        kpool.shape[1],
+        bs,
+        dim,
+        hkv,
+        q.shape[1],
+        ctypes.c_void_p(b.tables.data_ptr()),
+        b.tables.shape[1],
+        ctypes.c_void_p(b.q_start.data_ptr()),
+        ctypes.c_void_p(b.q_len.data_ptr()),
+        ctypes.c_void_p(b.kv_len.data_ptr()),
+        len(b.kernel_rows),
+        scale,
+        cap,
+        window,
+        ctypes.c_void_p(out.data_ptr()),
+        torch.get_num_threads(),
+    )
+    if rc != 0:  # shapes beyond the kernel's limits: the torch path for these rows
+        for i in b.kernel_rows:
+            _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
+
+
+def _gather(pool_side: torch.Tensor, blocks: Sequence[int], length: int, block_size: int) -> torch.Tensor:
+    """[heads, length, dim] keys or values of one row, copied out of the pool."""
+    heads, _, width = pool_side.shape
+    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=pool_side.device)
+    got = pool_side.index_select(1, idx).view(heads, -1, width // block_size)
+    return got[:, :length]
+
+
+def _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out) -> None:
+    r = b.rows[i]
+    bs = b.pool.block_size
+    k = _gather(kpool, r.blocks, r.kv_len, bs)
+    v = _gather(vpool, r.blocks, r.kv_len, bs)
+    qi = q[r.q_start : r.q_start + r.q_len].transpose(0, 1)  # [Hq, q_len, D]
+    hq = qi.shape[0]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=0)
+        v = v.repeat_interleave(hq // hkv, dim=0)
+    k, v = k.to(qi.dtype), v.to(qi.dtype)
+    mask = b.mask(i, window)
+    if cap:
+        scores = torch.matmul(qi, k.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / cap) * cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qi.dtype)
+        res = torch.matmul(probs, v)
+    else:
+        res = F.scaled_dot_product_attention(qi[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
+    out[r.q_start : r.q_start + r.q_len] = res.transpose(0, 1)

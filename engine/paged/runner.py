@@ -1,0 +1,123 @@
+"""PagedRunner: one forward of a flat batch through a model whose KV lives in a ``KVPool``.
+
+The model runs on its own modeling code with its attention implementation switched, for the forward only, to
+``paged_attention`` (``engine.paged.attention``), and its cache replaced by ``PagedKV``: the new tokens' keys and
+values go straight into the pool, attention reads them there. Logits are computed for the positions asked for
+only (``logits_to_keep`` as an index tensor, where the model takes it).
+
+``paged_unsupported_reason(model, pool)`` says why a model cannot run this way (and must use the wrapper's
+contiguous path): no ``AttentionInterface`` dispatch, layers without KV of their own, attention sinks, or a probe
+forward whose logits differ from the model's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from engine import hf_cache
+from engine.kv_pool import KVPool
+from engine.paged.attention import ATTENTION_NAME, PagedKV, Row, StepBatch, paged_attention, use_batch
+
+PROBE_TOLERANCE = 1e-3  # max |logit difference| of the probe forward, relative to the logits' scale
+_registered = threading.Lock()
+AttentionInterface.register(ATTENTION_NAME, paged_attention)
+
+
+class PagedRunner:
+    """Runs ``StepBatch``es of ``model`` over ``pool`` (the pool's layers must be the model's). Not thread-safe:
+    one forward at a time (the engine's loop)."""
+
+    def __init__(self, model, pool: KVPool, *, use_kernel: bool = True) -> None:
+        self.model = model
+        self.pool = pool
+        self.use_kernel = use_kernel and all(s is None or s.k_shape == s.v_shape for s in pool.specs)
+        self._cache_kwarg = hf_cache.cache_kwarg(model)
+        params = inspect.signature(type(model).forward).parameters
+        self._keep_param = "logits_to_keep" in params
+        self._configs = _attention_configs(model)
+
+    def batch(self, rows: list[Row]) -> StepBatch:
+        """The ``StepBatch`` of ``rows`` on this runner's pool."""
+        return StepBatch.make(self.pool, rows, use_kernel=self.use_kernel)
+
+    def forward(self, batch: StepBatch, input_ids: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
+        """Run the step: ``input_ids`` [T] (the rows' new tokens, in order); returns the logits [n, vocab] at the
+        flat positions ``logits_at`` [n]. Writes every new token's K/V into the pool at the batch's slots."""
+        device = self.pool.device
+        ids = input_ids.to(device).unsqueeze(0)
+        at = logits_at.to(device)
+        kwargs: dict[str, Any] = {self._cache_kwarg: PagedKV(batch)}
+        if self._keep_param:
+            kwargs["logits_to_keep"] = at
+        with torch.inference_mode(), use_batch(batch), self._switched():
+            out = self.model(input_ids=ids, position_ids=batch.positions.unsqueeze(0), use_cache=True, **kwargs)
+        logits = out.logits[0]
+        return logits if self._keep_param else logits[at]
+
+    @contextmanager
+    def _switched(self) -> Iterator[None]:
+        """The model's attention implementation is ``ATTENTION_NAME`` inside (restored however it exits)."""
+        old = [cfg._attn_implementation_internal for cfg in self._configs]
+        try:
+            for cfg in self._configs:
+                cfg._attn_implementation_internal = ATTENTION_NAME
+            yield
+        finally:
+            for cfg, name in zip(self._configs, old):
+                cfg._attn_implementation_internal = name
+
+
+def _attention_configs(model) -> list:
+    """Every distinct config object the model's modules read their attention implementation from."""
+    seen: dict[int, object] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+def paged_unsupported_reason(model, pool: KVPool) -> str | None:
+    """Why ``model`` cannot run on the paged path exactly, or None. Runs a small probe forward both ways (two
+    chunks through the pool against one plain forward); changes no cached block (it uses the pool's last
+    blocks and leaves garbage there only in blocks nobody owns... see ``probe_blocks``)."""
+    name = type(model).__name__
+    if hf_cache.unsupported_reason(model) is not None:
+        return hf_cache.unsupported_reason(model)
+    can = getattr(model, "_can_set_attn_implementation", None)
+    if can is not None and not can():
+        return f"{name} does not dispatch attention through transformers' AttentionInterface"
+    if any(s is None for s in pool.specs):
+        return f"{name} has layers without keys and values of their own (shared or attention-free layers)"
+    for m in model.modules():
+        if hasattr(m, "sinks") or hasattr(m, "s_aux"):
+            return f"{name} uses attention sinks, which the paged attention does not implement"
+    return None
+
+
+def probe_difference(model, pool: KVPool, blocks: Sequence[int], *, use_kernel: bool = True, seed: int = 0) -> float:
+    """Max |logit difference| between the paged path (the probe prompt in two chunks, KV in ``blocks`` of the
+    pool, which the caller owns and may find overwritten) and one plain forward, relative to the logits' scale."""
+    bs = pool.block_size
+    n = min(len(blocks) * bs, 2 * bs + 3)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    runner = PagedRunner(model, pool, use_kernel=use_kernel)
+    cut = max(1, n - 2)
+    first = runner.batch([Row(0, cut, cut, blocks)])
+    got_a = runner.forward(first, ids[:cut], torch.arange(cut))
+    second = runner.batch([Row(0, n - cut, n, blocks)])
+    got_b = runner.forward(second, ids[cut:], torch.arange(n - cut))
+    got = torch.cat([got_a, got_b]).float()
+    with torch.inference_mode():
+        ref = model(input_ids=ids.unsqueeze(0).to(model.device)).logits[0].float().cpu()
+    got = got.cpu()
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1.0))

@@ -146,6 +146,15 @@ def load_model(name_or_path: str, *, dtype: Any = None, device: Any = None, seed
     return model, tokenizer
 
 
+def context_length(config: Any) -> int | None:
+    """The longest sequence a model config allows (prompt + generated), or None."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _dtype(dtype: Any) -> torch.dtype:
     if dtype is None:
         return torch.float32

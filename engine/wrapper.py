@@ -22,6 +22,7 @@ changed, drops the cache with a ``StaleCacheWarning``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 import threading
 import warnings
@@ -33,7 +34,12 @@ import torch
 import xxhash
 
 from engine import hf_cache
+from engine.batching import offline
+from engine.batching.attach import EngineSlot
+from engine.batching.engine import Engine
+from engine.batching.scheduler import SchedulerConfig
 from engine.kv_pool import KVPool, bytes_per_token
+from engine.models import context_length
 from engine.weights import WeightsSnapshot, describe_change
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.core.hashing import BlockHasher, as_token_array
@@ -97,6 +103,10 @@ class UnverifiedCacheWarning(UserWarning):
     """``verify_tokens=False``: a block-hash collision would serve another prompt's KV (wrong outputs)."""
 
 
+class EngineFallbackWarning(UserWarning):
+    """A batch API call could not run on the paged engine (the reason is in the message) and ran another way."""
+
+
 class UnsupportedModelError(ValueError):
     """The model's cache cannot be served from a prefix cache (recurrent state, encoder-decoder, ...)."""
 
@@ -136,6 +146,8 @@ class PrefixCachedModel:
         verify_tokens: bool = True,
         on_unsupported: str = "error",
         hasher: BlockHasher | None = None,
+        engine_config: SchedulerConfig | None = None,
+        fast_linear: bool | None = None,
     ) -> None:
         if on_unsupported not in ("error", "passthrough"):
             raise ValueError(f"on_unsupported must be 'error' or 'passthrough', got {on_unsupported!r}")
@@ -155,6 +167,7 @@ class PrefixCachedModel:
         self.last_request_stats: tuple[RowStats, ...] = ()
         self.last_uncached_reason: str | None = None
         self.uncached_calls = 0
+        self._slot = EngineSlot(engine_config, fast_linear)
         self.unsupported_reason = hf_cache.unsupported_reason(model)
         if self.unsupported_reason is not None and on_unsupported == "error":
             raise UnsupportedModelError(
@@ -263,6 +276,7 @@ class PrefixCachedModel:
             return
         self.pool = KVPool(self._specs, pool.num_blocks, pool.block_size, dtype=model.dtype, device=model.device)
         self._drop_cache()
+        self._slot.reset()
         self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
         self.fingerprint = _fingerprint(model)
 
@@ -286,7 +300,11 @@ class PrefixCachedModel:
 
     def _drop_cache(self, *, keep_stats: bool = True) -> None:
         """Forget every cached block (and the miss-cause history); calls in progress will commit nothing (see
-        ``_epoch``)."""
+        ``_epoch``); the engine's requests fail (their blocks are gone) and its packed weights are remade."""
+        if self._slot.engine is not None and self._slot.engine.has_work():
+            self._slot.reset(RuntimeError("the prefix cache was dropped (weights, dtype or device changed)"))
+        else:
+            self._slot.reset()
         self.cache.reset(keep_stats=keep_stats)
         self._causes.reset()
         self._epoch += 1
@@ -418,6 +436,137 @@ class PrefixCachedModel:
                 return self._generate_cached(input_ids, attention_mask, gc, spaces, kwargs)
             finally:
                 self._active -= 1
+
+    # ---- the paged engine: batches -------------------------------------------------------------------
+    def engine(self) -> Engine | None:
+        """The continuous-batching engine over this wrapper's cache and pool (made on first use; see
+        ``engine.batching``), or None when the model cannot run on it (``engine_unsupported_reason`` says why).
+        Hold the wrapper's lock (``with pcm.lock:``) around anything that steps it."""
+        with self._lock:
+            if self.pool is not None:
+                self._follow_model()
+                self._follow_weights()
+            return self._slot.get(self)
+
+    @property
+    def engine_unsupported_reason(self) -> str | None:
+        """Why ``engine()`` is None (None when it is not, or was not asked for yet)."""
+        return self._slot.reason
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every cached call holds (a serving loop holds it around each engine step)."""
+        return self._lock
+
+    def generate_batch(
+        self,
+        inputs: Sequence[Any],
+        generation_config: Any = None,
+        *,
+        namespace: str = "default",
+        progress_bar: bool = False,
+        seed: int | None = None,
+        **kwargs,
+    ) -> dict[str, offline.BatchOutput]:
+        """Generate for every prompt of ``inputs`` (lists of token ids, no padding) on the engine: continuous
+        batching, each prompt served from its longest cached prefix, prompts sharing an uncached prefix computing
+        it once. Returns ``{"req_0": BatchOutput, ...}`` in input order (``req_i_j`` with
+        ``num_return_sequences``), as transformers' ``generate_batch`` does. Settings come from
+        ``generation_config`` (default the model's) updated by ``kwargs``: greedy or sampling with temperature,
+        top_k, top_p; ``seed`` seeds request k's sampler with ``seed + k``. Other settings raise ValueError.
+        Changes the cache like ``generate``.
+        """
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        prompts = [offline.token_list(p, f"inputs[{i}]") for i, p in enumerate(inputs)]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"inputs[{i}] is empty: a prompt needs at least one token")
+        base = generation_config or self.model.generation_config
+        copies = int(kwargs.pop("num_return_sequences", None) or getattr(base, "num_return_sequences", 1) or 1)
+        params = [offline.sampling_params(base, dict(kwargs), len(p)) for p in prompts]
+        if copies > 1 and params and params[0].greedy:
+            raise ValueError("num_return_sequences > 1 needs sampling (do_sample=True): greedy copies are identical")
+        with self._lock:
+            engine = self.engine()
+            if engine is None:
+                return self._generate_batch_fallback(prompts, base, kwargs, namespace, copies)
+            reqs = offline.generate_requests(prompts, params, f"{self.fingerprint}:{namespace}", copies)
+            if seed is not None:
+                for k, (_, r) in enumerate(reqs):
+                    assert r.params is not None
+                    r.params = dataclasses.replace(r.params, seed=seed + k)
+            order = offline.lexicographic([r.tokens for _, r in reqs])
+            with offline.progress_bar(len(reqs), "generate_batch", progress_bar) as progress:
+                offline.run(engine, [reqs[i][1] for i in order], window=self._window(engine), progress=progress)
+            self.last_request_stats = ()
+            return offline.collect_outputs(reqs)
+
+    def score(
+        self,
+        requests: Sequence[tuple[Any, Any]],
+        *,
+        namespace: str = "default",
+        token_logprobs: bool = False,
+        max_length: int | None = None,
+        commit_continuations: bool = False,
+        reorder: bool = True,
+        progress_bar: bool = False,
+    ) -> list[offline.ScoreResult]:
+        """Log-likelihood of each continuation given its context (``requests``: (context ids, continuation ids)
+        pairs), served from cached prefixes: a list of ``ScoreResult`` (summed log-probability, whether it is the
+        greedy continuation, per-token log-probs with ``token_logprobs``) in the caller's order, equal to the bare
+        model's forward within float tolerance. At most ``len(context) - 1`` tokens of each come from cache.
+        Requests run in token-sequence order (``reorder``), so an item's choices and requests that share
+        exemplars run while their prefix is cached. Sequences longer than ``max_length + 1`` (default: the
+        model's context length) lose tokens from the left, as lm-evaluation-harness does. Contexts are cached;
+        continuations too with ``commit_continuations``. Changes the cache."""
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        limit = (
+            max_length if max_length is not None else context_length(self.model.config.get_text_config(decoder=True))
+        )
+        if limit is not None:
+            limit = _positive_int("max_length", limit)
+        with self._lock:
+            reqs, cut = offline.score_requests(
+                list(requests), f"{self.fingerprint}:{namespace}", max_length=limit, commit=commit_continuations, top=0
+            )
+            engine = self.engine()
+            if engine is None:
+                self._warn_fallback(f"score: {self._slot.reason}; scoring with plain uncached forwards")
+                return offline.score_uncached(self.model, reqs, cut, token_logprobs)
+            order = offline.lexicographic([r.tokens for r in reqs]) if reorder else list(range(len(reqs)))
+            with offline.progress_bar(len(reqs), "score", progress_bar) as progress:
+                offline.run(engine, [reqs[i] for i in order], window=self._window(engine), progress=progress)
+            self.last_request_stats = ()
+            return offline.score_results(reqs, cut, token_logprobs)
+
+    def _window(self, engine: Engine) -> int:
+        """Requests kept waiting in the engine by a batch call: enough to fill every step."""
+        return max(2 * engine.config.max_running, 8)
+
+    def _generate_batch_fallback(self, prompts, base, kwargs: dict, namespace: str, copies: int):
+        """``generate_batch`` through ``generate`` (prompt by prompt) for a model the engine cannot run."""
+        self._warn_fallback(f"generate_batch: {self._slot.reason}; running each prompt through generate()")
+        out = {}
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p], dtype=torch.long, device=self.model.device)
+            for j in range(copies):
+                rid = f"req_{i}" if copies == 1 else f"req_{i}_{j}"
+                seq = self.generate(ids, generation_config=base, namespace=namespace, **kwargs)
+                seq = seq if isinstance(seq, torch.Tensor) else seq.sequences
+                cached = self.last_request_stats[0].cached_tokens if self.last_request_stats else 0
+                gen = seq[0, len(p) :].tolist()
+                eos = _eos_ids(base, "cpu")
+                stop = eos is not None and bool(gen) and gen[-1] in eos.tolist()
+                out[rid] = offline.BatchOutput(rid, p, gen, "stop" if stop else "length", cached)
+        return out
+
+    def _warn_fallback(self, reason: str) -> None:
+        if reason not in self._warned and len(self._warned) < 64:
+            self._warned.add(reason)
+            warnings.warn(f"PrefixCachedModel: {reason}", EngineFallbackWarning, stacklevel=4)
 
     def _run_uncached(self, reason: str, kwargs: dict):
         """The bare model's generate, counted in ``uncached_calls``; warns once per distinct reason."""

@@ -1,0 +1,244 @@
+"""The continuous-batching scheduler: which requests run in the next step, and how many tokens each.
+
+One step is a flat batch under ``max_step_tokens``: first every running request that is decoding gets its one
+token, then running requests still prefilling get a chunk (at most ``max_chunk_tokens`` each), oldest first, then
+waiting requests are admitted while the budget, ``max_running`` and the pool allow. Admission matches (and pins)
+the request's longest cached prefix, so only the rest is computed. The waiting queue is first come first served;
+when it is longer than ``lpm_queue`` it is taken longest cached prefix first (SGLang's LPM), so requests that
+share a cached prefix run while it is hot. A waiting request that shares an uncached prefix (a block or more)
+with a request being prefilled now waits for it: one computes the prefix, the other then finds it cached.
+
+Blocks: each scheduled request gets the pool blocks its tokens need this step (``PrefixCache.allocate``, which
+evicts unpinned cached blocks). When the pool runs short for a running request, the most recently admitted
+running request is preempted: its computed full blocks are cached (and so survive unless evicted), its own blocks
+freed, and it goes back to the front of the queue; resumed, it matches its blocks again and computes only what
+was evicted. A waiting request never preempts a running one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.batching.request import Request, Status
+from prefixcache.core.cache import OutOfBlocks, PrefixCache
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step budget and admission limits (see the module docstring)."""
+
+    max_step_tokens: int = 256
+    max_chunk_tokens: int = 256
+    max_running: int = 32
+    lpm_queue: int = 16
+    share_wait: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_step_tokens", "max_chunk_tokens", "max_running"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(self.lpm_queue, bool) or not isinstance(self.lpm_queue, int) or self.lpm_queue < 0:
+            raise ValueError(f"lpm_queue must be an int >= 0, got {self.lpm_queue!r}")
+
+
+@dataclass
+class Plan:
+    """One step: ``work`` (request, tokens to compute) in batch order; requests preempted and failed meanwhile."""
+
+    work: list[tuple[Request, int]]
+    preempted: list[Request]
+    failed: list[tuple[Request, str]]
+
+
+class Scheduler:
+    """Holds the waiting and running queues; ``schedule()`` plans the next step. Engine thread only."""
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        config: SchedulerConfig,
+        preempt: Callable[[Request], None],
+        admitted: Callable[[Request], None] = lambda req: None,
+    ) -> None:
+        self.cache = cache
+        self.config = config
+        self.block_size = cache.block_size
+        self._preempt = preempt  # caches a request's computed blocks and releases it (the engine's)
+        self._admitted = admitted  # told of a request just matched (may move its ``computed`` back)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning ------------------------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        """Plan the next step. Changes the cache: pins admitted requests' prefixes and allocates blocks."""
+        cfg = self.config
+        plan = Plan([], [], [])
+        budget = cfg.max_step_tokens
+        # running requests: decoding ones first (one token each), then prefill chunks, in admission order
+        order = sorted(self.running, key=lambda r: r.remaining > 1)
+        for req in order:
+            if req.status is not Status.RUNNING:  # preempted while planning this step
+                continue
+            n = 1 if req.remaining == 1 else min(req.remaining, cfg.max_chunk_tokens, budget)
+            if n <= 0 or budget <= 0:
+                continue
+            if not self._blocks_for(req, n, plan):
+                continue
+            plan.work.append((req, n))
+            budget -= n
+        # admission
+        self._admit(plan, budget)
+        return plan
+
+    def _blocks_for(self, req: Request, n: int, plan: Plan) -> bool:
+        """Give a running request the blocks for ``n`` more tokens, preempting newer running requests (or, last,
+        itself) when the pool is short. False when ``req`` itself was preempted or failed."""
+        need = self._blocks_needed(req, n)
+        while need > 0:
+            assert req.handle is not None
+            try:
+                req.table.extend(self.cache.allocate(req.handle, need))
+                return True
+            except OutOfBlocks:
+                victim = self._newest_running(excluding=None)
+                if victim is None:
+                    break
+                if victim is req and len(self.running) == 1:
+                    plan.failed.append((req, self._too_big(req)))
+                    return False
+                self._preempt_one(victim, plan)
+                if victim is req:
+                    return False
+        return True
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        bs = self.block_size
+        return -(-(req.computed + n) // bs) - len(req.table)
+
+    def _newest_running(self, excluding: Request | None) -> Request | None:
+        for r in reversed(self.running):
+            if r is not excluding and r.status is Status.RUNNING:
+                return r
+        return None
+
+    def _preempt_one(self, req: Request, plan: Plan) -> None:
+        self._preempt(req)
+        self.running.remove(req)
+        plan.work = [(r, n) for r, n in plan.work if r is not req]
+        plan.preempted.append(req)
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def _too_big(self, req: Request) -> str:
+        need = -(-(req.computed + 1) // self.block_size)
+        return (
+            f"the KV pool ({self.cache.num_blocks} blocks of {self.block_size} tokens) cannot hold this request's "
+            f"{req.computed + 1} tokens ({need} blocks) even with nothing else running; raise max_cached_tokens"
+        )
+
+    def _admit(self, plan: Plan, budget: int) -> None:
+        cfg = self.config
+        if not self.waiting:
+            return
+        if len(self.waiting) > cfg.lpm_queue:
+            self._longest_prefix_first()
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+            req = self.waiting.popleft()
+            if req.cancelled:
+                plan.failed.append((req, "cancelled"))
+                continue
+            if -(-len(req.tokens) // self.block_size) > self.cache.num_blocks:
+                plan.failed.append((req, self._too_big_prompt(req)))
+                continue
+            if cfg.share_wait and self._shares_uncached(req):
+                skipped.append(req)
+                continue
+            n = self._start(req, plan, budget)
+            if n == 0:
+                self.waiting.appendleft(req)
+                break
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _start(self, req: Request, plan: Plan, budget: int) -> int:
+        """Match, pin and allocate for ``req``'s first chunk; returns its tokens this step, or 0 (nothing changed)
+        when the pool is short."""
+        m = self.cache.match(req.tokens[: req.cache_limit], req.namespace)
+        req.handle = m.handle
+        req.table = list(m.block_ids)
+        req.computed = m.cached_tokens
+        req.committed = m.cached_blocks
+        if req.cached_tokens < 0:
+            req.cached_tokens = m.cached_tokens
+        self._admitted(req)
+        n = 1 if req.remaining == 1 else min(req.remaining, self.config.max_chunk_tokens, budget)
+        try:
+            req.table.extend(self.cache.allocate(m.handle, self._blocks_needed(req, n)))
+        except OutOfBlocks:
+            self.cache.release(m.handle)
+            req.handle, req.table, req.computed, req.committed = None, [], 0, 0
+            return 0
+        req.status = Status.RUNNING
+        self.running.append(req)
+        plan.work.append((req, n))
+        return n
+
+    def _too_big_prompt(self, req: Request) -> str:
+        need = -(-(len(req.tokens)) // self.block_size)
+        return (
+            f"the prompt needs {need} blocks of {self.block_size} tokens; the KV pool holds "
+            f"{self.cache.num_blocks}: raise max_cached_tokens"
+        )
+
+    def _shares_uncached(self, req: Request) -> bool:
+        """Whether ``req`` shares at least one block it does not find cached with a request still prefilling
+        (which will cache it): then ``req`` had better wait and find it cached."""
+        prefilling = [r for r in self.running if r.remaining > 1 and r.namespace == req.namespace]
+        if not prefilling:
+            return False
+        bs = self.block_size
+        limit = req.cache_limit
+        cached = self.cache.probe(req.tokens[:limit], req.namespace)
+        for other in prefilling:
+            common = _common_prefix(req.tokens, other.tokens, min(limit - 1, other.commit_limit))
+            if (common // bs) * bs > cached:
+                return True
+        return False
+
+    def _longest_prefix_first(self) -> None:
+        """Order the waiting queue by cached prefix length, longest first (ties: arrival order)."""
+        probe = self.cache.probe
+        keyed = [(-probe(r.tokens[: r.cache_limit], r.namespace), i, r) for i, r in enumerate(self.waiting)]
+        keyed.sort(key=lambda x: (x[0], x[1]))
+        self.waiting = deque(r for _, _, r in keyed)
+
+    def finish(self, req: Request) -> None:
+        """Take a finished request out of the running queue."""
+        if req in self.running:
+            self.running.remove(req)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    step = 64
+    while i < n:  # compare in slices (C-level list compares), then narrow down
+        j = min(i + step, n)
+        if a[i:j] == b[i:j]:
+            i = j
+            continue
+        while i < j and a[i] == b[i]:
+            i += 1
+        return i
+    return n

@@ -49,7 +49,7 @@ def _idle(backend, pcm) -> None:
         pcm.cache.check_integrity()
         return pcm.cache.num_active_requests
 
-    assert backend.batcher.run_exclusive(check).result(timeout=60) == 0
+    assert backend.worker.run_exclusive(check).result(timeout=60) == 0
 
 
 def _salt() -> str:
@@ -164,9 +164,8 @@ def test_cache_salt_isolates_tenants(srv, bare):
     _idle(backend, pcm)
 
 
-def test_concurrent_requests_form_one_batch_with_unchanged_outputs(srv, bare):
-    url, client, pcm, backend = srv
-    model, tok = bare
+def _concurrent_rows(client, backend, pcm, tok):
+    """Four requests of two tenants sent while a long one runs; returns them with their references."""
     salts = [_salt(), _salt()]
     base = "Concurrent batch test: rows of different lengths and tenants. "
     prompts = [base + "x" * 5, base + "a longer tail " * 3, base, base + "y" * 20]
@@ -174,21 +173,19 @@ def test_concurrent_requests_form_one_batch_with_unchanged_outputs(srv, bare):
     client.completions.create(
         model=MODEL, prompt=base, max_tokens=1, temperature=0, extra_body={"cache_salt": salts[0]}
     )
-    refs = [bare_greedy(model, list(tok(p).input_ids), 8) for p in prompts]
     expected_cached = [
-        backend.batcher.run_exclusive(
+        backend.worker.run_exclusive(
             lambda p=p, i=i: pcm.probe(list(tok(p).input_ids), f"salt:{salts[i % 2]}")
         ).result()
         for i, p in enumerate(prompts)
     ]
-    before = backend.batcher.stats()
-    # a long request keeps the worker busy, so the four below all wait and go together
+    # a long request keeps the worker busy while the four below arrive
     blocker = threading.Thread(
         target=lambda: client.completions.create(model=MODEL, prompt="blocker", max_tokens=400, temperature=0)
     )
     blocker.start()
     deadline = time.monotonic() + 30
-    while backend.batcher.stats()["running"] == 0 and time.monotonic() < deadline:
+    while backend.worker.stats()["running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
 
     def one(i: int):
@@ -198,18 +195,59 @@ def test_concurrent_requests_form_one_batch_with_unchanged_outputs(srv, bare):
 
     with cf.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, range(4)))
+    blocker_running = blocker.is_alive()
     blocker.join()
-    after = backend.batcher.stats()
-    assert after["batch_rows"] - before["batch_rows"] == 5
-    assert after["batches"] - before["batches"] == 2  # the blocker, then the four together
-    assert after["max_batch_size"] >= 4
-    for r, ref, want_cached in zip(results, refs, expected_cached):
-        assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
-        assert r.usage.prompt_tokens_details.cached_tokens == want_cached
-    assert expected_cached[0] > 0 and expected_cached[1] == 0
+    return prompts, results, expected_cached, blocker_running
+
+
+def test_concurrent_requests_join_the_running_one_with_unchanged_outputs(srv, bare):
+    url, client, pcm, backend = srv
+    model, tok = bare
+    assert backend.runs_engine()
+    before = backend.worker.stats()
+    prompts, results, expected_cached, blocker_running = _concurrent_rows(client, backend, pcm, tok)
+    after = backend.worker.stats()
+    assert blocker_running  # the four did not wait for the long request: they joined its steps and left first
+    assert after["most_requests"] >= 5
+    assert after["requests_finished"] - before["requests_finished"] == 6  # the warm-up, the blocker, the four
+    got = [r.usage.prompt_tokens_details.cached_tokens for r in results]
+    for p, r in zip(prompts, results):
+        assert r.choices[0].text == tok.decode(bare_greedy(model, list(tok(p).input_ids), 8), skip_special_tokens=True)
+    # tenant a (rows 0, 2) had the warm-up's prefix cached; tenant b (rows 1, 3) had nothing, so the first of its
+    # two rows computed their common prefix and the other, admitted after it, found it cached
+    assert got[0] == expected_cached[0] > 0 and got[2] == expected_cached[2] > 0
+    ids1, ids3 = (list(tok(prompts[i]).input_ids) for i in (1, 3))
+    common = next(i for i, (a, b) in enumerate(zip(ids1, ids3)) if a != b)
+    assert expected_cached[1] == expected_cached[3] == 0
+    assert sorted([got[1], got[3]]) == [0, common // BS * BS]
     metrics = httpx.get(f"{url}/metrics").text
-    assert 'prefixcache_max_batch_size{replica="local"} ' in metrics
+    assert 'prefixcache_engine_most_step_requests{replica="local"} ' in metrics
     _idle(backend, pcm)
+
+
+def test_without_the_engine_concurrent_requests_form_one_batch_with_unchanged_outputs(bare):
+    model, tok = bare
+    pcm = load_wrapped(MODEL, max_cached_tokens=32_768, block_size=BS)
+    backend = LocalBackend(pcm, MODEL, max_batch_size=8, batch_wait_ms=5, use_engine=False)
+    with server_thread(create_app(backend, default_max_tokens=12)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert not backend.runs_engine()
+        before = backend.worker.stats()
+        prompts, results, expected_cached, _ = _concurrent_rows(client, backend, pcm, tok)
+        after = backend.worker.stats()
+        assert after["batch_rows"] - before["batch_rows"] == 6
+        assert after["batches"] - before["batches"] == 3  # the warm-up, the blocker, then the four together
+        assert after["max_batch_size"] >= 4
+        for p, r, want_cached in zip(prompts, results, expected_cached):
+            ref = bare_greedy(model, list(tok(p).input_ids), 8)
+            assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+            assert r.usage.prompt_tokens_details.cached_tokens == want_cached
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'prefixcache_max_batch_size{replica="local"} ' in metrics
+        # what only the engine does is refused, not ignored
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a", "seed": 3}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+        _idle(backend, pcm)
 
 
 BAD_REQUESTS = {
@@ -322,7 +360,7 @@ def test_client_disconnecting_mid_stream_stops_its_row_and_leaves_no_pin(srv):
         got = [json.loads(ln[6:]) for ln in (next(lines) for _ in range(3)) if ln.startswith("data: {")]
         assert got  # the stream was running
     deadline = time.monotonic() + 60
-    while backend.batcher.stats()["running"] and time.monotonic() < deadline:
+    while backend.worker.stats()["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
     _idle(backend, pcm)
     # the row stopped soon after the client left: far fewer than 1500 tokens' blocks were cached

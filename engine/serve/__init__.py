@@ -1,5 +1,6 @@
-"""Serving: the OpenAI-compatible app (FastAPI), request batching, and the Ray Serve deployment with its
-prefix-aware request router. Needs the ``serve`` extra (and ``ray`` for replicas)."""
+"""Serving: the OpenAI-compatible app (FastAPI) on the continuous-batching engine (or, for models the engine cannot
+run, batched generate calls), and the Ray Serve deployment with its prefix-aware request router. Needs the
+``serve`` extra (and ``ray`` for replicas)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,30 @@ class ServeConfig:
     block_size: int = 16
     host: str = "127.0.0.1"
     port: int = 8000
-    max_batch_size: int = 8
-    batch_wait_ms: float = 5.0
+    max_batch_size: int = 8  # the batched-generate fallback only
+    batch_wait_ms: float = 5.0  # the batched-generate fallback only
     default_max_tokens: int = 256
     seed: int = 0
     log_level: str = "info"
+    use_engine: bool = True
+    max_step_tokens: int | None = None  # None: SchedulerConfig's defaults
+    max_chunk_tokens: int | None = None
+    max_running: int | None = None
+
+    def engine_config(self):  # -> SchedulerConfig (imported here: the engine needs torch)
+        """The engine's scheduler settings."""
+        from engine.batching.scheduler import SchedulerConfig
+
+        given = {
+            k: v
+            for k, v in (
+                ("max_step_tokens", self.max_step_tokens),
+                ("max_chunk_tokens", self.max_chunk_tokens),
+                ("max_running", self.max_running),
+            )
+            if v is not None
+        }
+        return SchedulerConfig(**given)
 
 
 def run_local(cfg: ServeConfig) -> int:
@@ -32,8 +52,20 @@ def run_local(cfg: ServeConfig) -> int:
     from engine.serve.app import create_app
     from engine.serve.backend import LocalBackend, load_wrapped
 
-    pcm = load_wrapped(cfg.model, max_cached_tokens=cfg.max_cached_tokens, block_size=cfg.block_size, seed=cfg.seed)
-    backend = LocalBackend(pcm, cfg.model, max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms)
+    pcm = load_wrapped(
+        cfg.model,
+        max_cached_tokens=cfg.max_cached_tokens,
+        block_size=cfg.block_size,
+        seed=cfg.seed,
+        engine_config=cfg.engine_config(),
+    )
+    backend = LocalBackend(
+        pcm,
+        cfg.model,
+        max_batch_size=cfg.max_batch_size,
+        batch_wait_ms=cfg.batch_wait_ms,
+        use_engine=cfg.use_engine,
+    )
     app = create_app(backend, default_max_tokens=cfg.default_max_tokens)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
     # uvicorn catches SIGINT/SIGTERM, drains in-flight requests, runs the app's shutdown, then re-raises the

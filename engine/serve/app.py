@@ -35,6 +35,7 @@ from engine.serve.protocol import (
     now,
     usage,
 )
+from engine.serve.response_logprobs import chat_logprobs, completion_logprobs
 from prefixcache.core.config import DEFAULT_NAMESPACE
 
 R = TypeVar("R", bound=pydantic.BaseModel)
@@ -124,8 +125,8 @@ class _CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def choice(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(self, index: int, text: str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def delta(self, index: int, text: str, finish: str | None, first: bool) -> dict[str, Any]:
         return self.choice(index, text, finish)
@@ -138,9 +139,9 @@ class _ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def choice(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
         message = {"role": "assistant", "content": text}
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def delta(self, index: int, text: str, finish: str | None, first: bool) -> dict[str, Any]:
         d: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
@@ -205,7 +206,10 @@ class _Serving:
             self.metrics.requests.labels(fmt.endpoint, str(exc.status)).inc()
             raise
         self.metrics.requests.labels(fmt.endpoint, "200").inc()
-        choices = [fmt.choice(i, text, _finish_reason(f)) for i, (text, f) in enumerate(results)]
+        choices = [
+            fmt.choice(i, self._text(call, ids), _finish_reason(f), self._logprobs(call, ids, f, body))
+            for i, (call, (ids, f)) in enumerate(zip(calls, results))
+        ]
         total = [
             sum(getattr(f, k) for _, f in results) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")
         ]
@@ -223,7 +227,7 @@ class _Serving:
 
     # ---- validation: body -> calls -------------------------------------------------------------------------
     def _calls(self, body: CompletionRequest | ChatRequest, request: Request) -> list[GenerateCall]:
-        body.check_supported()
+        body.check_supported(self.backend.runs_engine())
         if body.model != self.info.model_id:
             raise APIError(
                 404,
@@ -247,10 +251,39 @@ class _Serving:
             param, limit, default = "prompt", body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
         temperature = self.info.default_temperature if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
+        top_k = 0 if body.top_k is None or body.top_k < 0 else body.top_k
+        stop_ids = tuple(body.stop_token_ids or ())
+        bad = next((t for t in stop_ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids holds {bad}, not an id of the vocabulary", param="stop_token_ids")
+        prompt_lp = sample_lp = None
+        if isinstance(body, CompletionRequest):
+            sample_lp = body.logprobs
+            if body.echo:
+                prompt_lp = body.logprobs or 0
+        elif body.logprobs:
+            sample_lp = body.top_logprobs or 0
         calls = []
         for tokens in prompts:
             max_tokens = self._max_tokens(len(tokens), limit, default, param)
-            calls.append(GenerateCall(new_id("call"), tuple(tokens), namespace, max_tokens, temperature, top_p))
+            if max_tokens == 0 and len(tokens) < 2:
+                raise APIError(400, "echo with max_tokens 0 scores a prompt of 2 tokens or more", param=param)
+            calls.append(
+                GenerateCall(
+                    new_id("call"),
+                    tuple(tokens),
+                    namespace,
+                    max_tokens,
+                    temperature,
+                    top_p,
+                    top_k,
+                    body.seed,
+                    stop_ids,
+                    body.ignore_eos,
+                    prompt_lp,
+                    sample_lp if max_tokens else None,
+                )
+            )
         return calls
 
     def _prompt_tokens(self, prompt: str | list[int], index: int, count: int) -> list[int]:
@@ -284,7 +317,7 @@ class _Serving:
 
     def _max_tokens(self, n: int, limit: int | None, default: int, param: str) -> int:
         ctx = self.info.context_length
-        if ctx is not None and n >= ctx:
+        if ctx is not None and (n > ctx or (n == ctx and limit != 0)):
             raise APIError(
                 400,
                 f"This model's maximum context length is {ctx} tokens; the prompt has {n}, leaving no room to "
@@ -305,19 +338,35 @@ class _Serving:
         return limit
 
     # ---- running ---------------------------------------------------------------------------------------------
-    async def _run(self, call: GenerateCall, started: float) -> tuple[str, Finished]:
-        """Run one call to its end; returns its text and its Finished."""
+    async def _run(self, call: GenerateCall, started: float) -> tuple[list[int], Finished]:
+        """Run one call to its end; returns its generated ids and its Finished."""
         ids: list[int] = []
         async with aclosing(self.backend.stream(call)) as items:
             async for item in items:
                 if isinstance(item, Finished):
                     self._count(item)
-                    text = self.info.tokenizer.decode(ids, skip_special_tokens=True)
-                    return text, item
+                    return ids, item
                 if not ids:
                     self.metrics.ttft.observe(time.monotonic() - started)
                 ids += item
         raise APIError(500, "the backend ended a call without finishing it", type="server_error")
+
+    def _text(self, call: GenerateCall, ids: list[int]) -> str:
+        """A choice's text: the generated text, after the prompt's when the call echoes it."""
+        decode = self.info.tokenizer.decode
+        text: str = decode(ids, skip_special_tokens=True)
+        if call.prompt_logprobs is not None:
+            text = decode(list(call.prompt), skip_special_tokens=True) + text
+        return text
+
+    def _logprobs(self, call: GenerateCall, ids: list[int], f: Finished, body: Any) -> dict[str, Any] | None:
+        """The choice's ``logprobs`` object, or None when not asked for."""
+        if call.prompt_logprobs is None and call.logprobs is None:
+            return None
+        tok = self.info.tokenizer
+        if isinstance(body, ChatRequest):
+            return chat_logprobs(tok, ids, f.sample_logprobs)
+        return completion_logprobs(tok, list(call.prompt) if call.prompt_logprobs is not None else [], f, ids)
 
     def _count(self, f: Finished) -> None:
         self.metrics.prompt_tokens.inc(f.prompt_tokens)

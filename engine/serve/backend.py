@@ -1,5 +1,7 @@
-"""What the app talks to: a ``Backend`` runs ``GenerateCall``s. ``LocalBackend`` is one process (a ``Batcher``
-over one ``PrefixCachedModel``); ``engine.serve.ray_app.RayBackend`` sends calls to Ray Serve replicas."""
+"""What the app talks to: a ``Backend`` runs ``GenerateCall``s. ``LocalBackend`` is one process: the
+continuous-batching engine of one ``PrefixCachedModel`` (``EngineLoop``), or, for a model the engine cannot run,
+a ``Batcher`` of batched ``generate`` calls; ``engine.serve.ray_app.RayBackend`` sends calls to Ray Serve
+replicas."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.serve.batcher import Batcher, StreamItem
+from engine.models import context_length
+from engine.serve.batcher import Batcher
+from engine.serve.engine_loop import EngineLoop
 from engine.serve.metrics import replica_figures
-from engine.serve.protocol import GenerateCall
+from engine.serve.protocol import GenerateCall, StreamItem
 
 
 @dataclass(frozen=True)
@@ -42,18 +46,13 @@ class Backend(Protocol):
         """None when every replica is up, else what is still missing (for /health)."""
         ...
 
+    def runs_engine(self) -> bool:
+        """Whether calls run on the engine (per-request seeds, log-probs, echo, top_k, stop ids)."""
+        ...
+
     def figures(self) -> Mapping[str, Mapping[str, Any]]:
         """Each replica's figures (cache, queue, batches) as of the last refresh."""
         ...
-
-
-def context_length(config: Any) -> int | None:
-    """The longest sequence a model config allows (prompt + generated), or None."""
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def model_info(model_id: str, model: Any, tokenizer: Any) -> ModelInfo:
@@ -83,31 +82,66 @@ def describe_model(model: str) -> ModelInfo:
     return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature)
 
 
-def load_wrapped(model: str, *, max_cached_tokens: int | None, block_size: int, seed: int = 0) -> Any:
+def load_wrapped(
+    model: str, *, max_cached_tokens: int | None, block_size: int, seed: int = 0, engine_config: Any = None
+) -> Any:
     """A ``PrefixCachedModel`` of a preset name or a local model directory, with ``.tokenizer``."""
     from engine import PrefixCachedModel
 
     return PrefixCachedModel.from_pretrained(
-        model, seed=seed, max_cached_tokens=max_cached_tokens, block_size=block_size
+        model, seed=seed, max_cached_tokens=max_cached_tokens, block_size=block_size, engine_config=engine_config
+    )
+
+
+Worker = EngineLoop | Batcher
+
+
+def make_worker(pcm: Any, *, use_engine: bool, max_batch_size: int, batch_wait_ms: float, after: Any = None) -> Worker:
+    """The engine loop over ``pcm``'s engine, or (``use_engine`` off, or a model the engine cannot run) a
+    ``Batcher``; the reason for the latter is logged. ``after(finished)``: the loop's ``after_step`` (the
+    batcher's ``after_batch`` is called with no argument)."""
+    import logging
+
+    engine = pcm.engine() if use_engine else None
+    if engine is not None:
+        return EngineLoop(pcm, engine, after_step=after)
+    why = pcm.engine_unsupported_reason if use_engine else "the engine was turned off (--no-engine)"
+    logging.getLogger("prefixcache").warning("prefixcache serve: batched generate instead of the engine: %s", why)
+    return Batcher(
+        pcm,
+        max_batch_size=max_batch_size,
+        batch_wait_ms=batch_wait_ms,
+        after_batch=None if after is None else (lambda: after(True)),
     )
 
 
 class LocalBackend:
-    """One process: calls go to a ``Batcher`` over ``pcm`` (a ``PrefixCachedModel`` with ``.tokenizer``)."""
+    """One process: calls go to ``worker`` (``make_worker``) over ``pcm`` (a ``PrefixCachedModel`` with
+    ``.tokenizer``)."""
 
-    def __init__(self, pcm: Any, model_id: str, *, max_batch_size: int = 8, batch_wait_ms: float = 5.0) -> None:
+    def __init__(
+        self,
+        pcm: Any,
+        model_id: str,
+        *,
+        max_batch_size: int = 8,
+        batch_wait_ms: float = 5.0,
+        use_engine: bool = True,
+    ) -> None:
         self.pcm = pcm
         self.info = model_info(model_id, pcm.model, pcm.tokenizer)
-        self.batcher = Batcher(pcm, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms)
+        self.worker = make_worker(
+            pcm, use_engine=use_engine, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms
+        )
 
     async def start(self) -> None:
-        await self.batcher.start()
+        await self.worker.start()
 
     async def stop(self) -> None:
-        await self.batcher.stop()
+        await self.worker.stop()
 
     def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
-        return self.batcher.stream(call)
+        return self.worker.stream(call)
 
     async def refresh(self) -> None:
         return None
@@ -115,5 +149,8 @@ class LocalBackend:
     async def ready(self) -> str | None:
         return None
 
+    def runs_engine(self) -> bool:
+        return isinstance(self.worker, EngineLoop)
+
     def figures(self) -> dict[str, dict[str, Any]]:
-        return {"local": replica_figures(self.batcher.cache_stats, self.batcher.stats())}
+        return {"local": replica_figures(self.worker.cache_stats, self.worker.stats())}

@@ -24,10 +24,9 @@ from typing import Any, TypeVar
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from engine.serve.protocol import Finished, GenerateCall
+from engine.serve.protocol import Finished, GenerateCall, StreamItem
 
 T = TypeVar("T")
-StreamItem = list[int] | Finished
 
 
 @dataclass(eq=False)

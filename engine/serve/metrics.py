@@ -1,9 +1,10 @@
 """Prometheus metrics of the server (prometheus-client), in a registry of their own.
 
 Request-level series are counted where requests enter (the app): requests by endpoint and status, prompt /
-cached / completion tokens as served, and a time-to-first-token histogram. Cache- and batch-level series come
+cached / completion tokens as served, and a time-to-first-token histogram. Cache- and engine-level series come
 from a snapshot per replica (one process: replica "local"), read at scrape time: hit rate, evictions, pool
-occupancy, queue length, batches formed.
+occupancy, waiting and running requests, steps and their tokens, preemptions (or, for the batched-generate
+fallback, batches formed).
 """
 
 from __future__ import annotations
@@ -27,8 +28,22 @@ _REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("prefixcache_cache_blocks_used", "gauge", "KV pool blocks holding cached prefixes", "blocks_used"),
     ("prefixcache_cache_blocks_capacity", "gauge", "KV pool size in blocks", "blocks_capacity"),
     ("prefixcache_cache_pool_occupancy", "gauge", "Fraction of the KV pool in use", "pool_occupancy"),
-    ("prefixcache_queue_length", "gauge", "Requests waiting for a batch", "queue_length"),
-    ("prefixcache_running_requests", "gauge", "Requests in the batch now running", "running"),
+    ("prefixcache_queue_length", "gauge", "Requests waiting (for a step, or a batch)", "queue_length"),
+    ("prefixcache_running_requests", "gauge", "Requests running now", "running"),
+    # the engine
+    ("prefixcache_engine_steps", "counter", "Engine steps run", "steps"),
+    ("prefixcache_engine_step_tokens", "counter", "Tokens computed in engine steps", "step_tokens"),
+    (
+        "prefixcache_engine_prefill_tokens",
+        "counter",
+        "Prompt tokens computed (not served from cache)",
+        "prefill_tokens",
+    ),
+    ("prefixcache_engine_decode_tokens", "counter", "Decode tokens computed", "decode_tokens"),
+    ("prefixcache_engine_preemptions", "counter", "Requests preempted when the pool ran short", "preemptions"),
+    ("prefixcache_engine_largest_step_tokens", "gauge", "Most tokens computed in one step", "largest_step"),
+    ("prefixcache_engine_most_step_requests", "gauge", "Most requests in one step", "most_requests"),
+    # the batched-generate fallback
     ("prefixcache_batches", "counter", "Batched generate calls run", "batches"),
     ("prefixcache_batch_rows", "counter", "Requests run in those batches", "batch_rows"),
     ("prefixcache_max_batch_size", "gauge", "Largest batch formed so far", "max_batch_size"),

@@ -1,8 +1,10 @@
 """The OpenAI-compatible wire format: request models (pydantic, strict types), error objects, response bodies.
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type, and features this server does not
-implement (``n > 1``, ``stop``, ``logprobs``, ``echo``, ``seed``, tools), are a 400 with an OpenAI-style error
-object ``{"error": {"message", "type", "param", "code"}}``.
+implement (``n > 1``, ``stop`` strings, tools), are a 400 with an OpenAI-style error object
+``{"error": {"message", "type", "param", "code"}}``. Beside OpenAI's fields the server takes vLLM's ``top_k``,
+``stop_token_ids`` and ``ignore_eos``. Those, ``seed``, ``logprobs`` and ``echo`` need the engine: a model served
+by the batched-generate fallback refuses them (``engine=False`` below).
 """
 
 from __future__ import annotations
@@ -49,36 +51,58 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_LOGPROBS = 5  # OpenAI's limit on alternatives per position (completions' logprobs, chat's top_logprobs)
+
+
 class _Request(BaseModel):
     """Fields both endpoints take. Strict: ``"5"`` is not an int; ints are accepted where floats are."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     seed: int | None = None
-    logprobs: Any = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
 
-    def check_supported(self) -> None:
-        """Raise APIError(400) for a feature this server does not implement (rather than ignore it)."""
+    def check_supported(self, engine: bool) -> None:
+        """Raise APIError(400) for a feature this server does not implement (rather than ignore it); ``engine``:
+        whether the backend runs the engine (else it refuses what only the engine does)."""
         if self.n != 1:
             raise APIError(400, "n > 1 is not supported; send one request per completion", param="n")
         if self.stop:
-            raise APIError(400, "stop sequences are not supported", param="stop")
-        if self.seed is not None:
-            raise APIError(400, "seed is not supported (batched sampling shares one RNG)", param="seed")
-        if self.logprobs not in (None, False):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+            raise APIError(400, "stop strings are not supported; use stop_token_ids", param="stop")
+        if not engine:
+            for name in ("seed", "top_k", "stop_token_ids"):
+                if getattr(self, name) is not None:
+                    raise APIError(
+                        400, f"{name} is not supported for this model (it runs without the engine)", param=name
+                    )
+            if self.ignore_eos:
+                raise APIError(
+                    400, "ignore_eos is not supported for this model (it runs without the engine)", param="ignore_eos"
+                )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo: true)", param="max_tokens")
+
+    def _check_logprobs(self, wanted: bool, engine: bool, param: str) -> None:
+        if not wanted:
+            return
+        if not engine:
+            raise APIError(400, "logprobs are not supported for this model (it runs without the engine)", param=param)
+        if self.stream:
+            raise APIError(400, "logprobs with stream: true are not supported; ask without streaming", param=param)
 
 
 class CompletionRequest(_Request):
@@ -86,13 +110,17 @@ class CompletionRequest(_Request):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+    def check_supported(self, engine: bool) -> None:
+        super().check_supported(engine)
+        self._check_logprobs(self.logprobs is not None, engine, "logprobs")
+        if self.echo and not engine:
+            raise APIError(400, "echo is not supported for this model (it runs without the engine)", param="echo")
+        if self.echo and self.stream:
+            raise APIError(400, "echo with stream: true is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
@@ -141,11 +169,16 @@ class ChatRequest(_Request):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: Any = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, engine: bool) -> None:
+        super().check_supported(engine)
+        self._check_logprobs(self.logprobs, engine, "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
         if self.response_format not in (None, {"type": "text"}):
@@ -168,13 +201,27 @@ class GenerateCall:
     request_id: str
     prompt: tuple[int, ...]
     namespace: str
-    max_tokens: int
+    max_tokens: int  # 0: score the prompt only (echo)
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # log-probs of every prompt token, with this many alternatives
+    logprobs: int | None = None  # log-probs of every generated token, with this many alternatives
 
     @property
     def sampling(self) -> tuple[float, float]:
         return (self.temperature, self.top_p if self.temperature > 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens 1.. (token 0 has none) and their alternatives (id -> log-prob)."""
+
+    logprobs: tuple[float, ...]
+    top: tuple[dict[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -186,6 +233,11 @@ class Finished:
     cached_tokens: int
     completion_tokens: int
     replica: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    sample_logprobs: tuple[tuple[float, dict[int, float]], ...] = ()  # per generated token, when asked
+
+
+StreamItem = list[int] | Finished  # what a backend's stream yields: new token ids, then one Finished
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -29,10 +30,10 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.serve import ServeConfig
 from engine.serve.app import create_app
-from engine.serve.backend import ModelInfo, describe_model, load_wrapped
-from engine.serve.batcher import Batcher, StreamItem
+from engine.serve.backend import ModelInfo, describe_model, load_wrapped, make_worker
+from engine.serve.engine_loop import EngineLoop
 from engine.serve.metrics import replica_figures
-from engine.serve.protocol import Finished, GenerateCall
+from engine.serve.protocol import Finished, GenerateCall, StreamItem
 from engine.serve.router import INDEX_NAMESPACE, IndexHolder, PrefixAwareRouter
 
 logger = logging.getLogger("ray.serve")
@@ -55,9 +56,12 @@ class RayConfig:
     app_name: str = APP_NAME
 
 
+PUBLISH_EVERY_S = 0.25  # a replica publishes at least this often while it has events and nothing finished
+
+
 class EventPublisher:
-    """Collects one replica's cache events and sends them, numbered, to the IndexHolder (``flush``, after each
-    batch, on the batch thread). Unacknowledged batches are resent with the next flush."""
+    """Collects one replica's cache events and sends them, numbered, to the IndexHolder (``flush``, after engine
+    steps, on the engine thread). Unacknowledged batches are resent with the next flush."""
 
     def __init__(self, pcm: Any, index: Any, replica: str) -> None:
         self.pcm = pcm
@@ -67,6 +71,11 @@ class EventPublisher:
         self._unacked: list[tuple[int, list[Any]]] = []
         self._number = 0
         self.unsubscribe = pcm.cache.subscribe(self._events.append)
+
+    @property
+    def pending(self) -> bool:
+        """Whether events wait to be sent (or resent)."""
+        return bool(self._events or self._unacked)
 
     def flush(self, figures: dict[str, Any]) -> None:
         if self._events:
@@ -92,32 +101,49 @@ class ModelReplica:
 
             torch.set_num_threads(threads)
         self.pcm = load_wrapped(
-            cfg.model, max_cached_tokens=cfg.max_cached_tokens, block_size=cfg.block_size, seed=cfg.seed
+            cfg.model,
+            max_cached_tokens=cfg.max_cached_tokens,
+            block_size=cfg.block_size,
+            seed=cfg.seed,
+            engine_config=cfg.engine_config(),
         )
         self.replica = serve.get_replica_context().replica_id.unique_id
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self.publisher = EventPublisher(self.pcm, index, self.replica)
-        self.batcher = Batcher(
-            self.pcm, max_batch_size=cfg.max_batch_size, batch_wait_ms=cfg.batch_wait_ms, after_batch=self._publish
+        self.worker = make_worker(
+            self.pcm,
+            use_engine=cfg.use_engine,
+            max_batch_size=cfg.max_batch_size,
+            batch_wait_ms=cfg.batch_wait_ms,
+            after=self._publish,
         )
         self._started = False
-        self._publish()  # the index learns of this replica (and the model's fingerprint) before any request
+        self._last_publish = 0.0
+        self._publish(True)  # the index learns of this replica (and the model's fingerprint) before any request
 
-    def _publish(self) -> None:
-        self.publisher.flush(replica_figures(self.batcher.cache_stats, self.batcher.stats()))
+    def _publish(self, finished: bool) -> None:
+        """After a step: publish now if a request finished (its caller must not hear so before the router knows
+        its blocks), else at most every PUBLISH_EVERY_S while events wait."""
+        now = time.monotonic()
+        if not finished and (not self.publisher.pending or now - self._last_publish < PUBLISH_EVERY_S):
+            return
+        self._last_publish = now
+        figures = replica_figures(self.worker.cache_stats, self.worker.stats())
+        figures["engine"] = int(isinstance(self.worker, EngineLoop))
+        self.publisher.flush(figures)
 
     async def generate(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
         """Token ids as they come, then ``Finished`` (naming this replica)."""
         if not self._started:
             self._started = True
-            await self.batcher.start()
-        async with aclosing(self.batcher.stream(call)) as items:
+            await self.worker.start()
+        async with aclosing(self.worker.stream(call)) as items:
             async for item in items:
                 yield replace(item, replica=self.replica) if isinstance(item, Finished) else item
 
     async def __del__(self) -> None:
         if self._started:
-            await self.batcher.stop()
+            await self.worker.stop()
 
 
 class RayBackend:
@@ -157,6 +183,10 @@ class RayBackend:
 
     def figures(self) -> dict[str, dict[str, Any]]:
         return self._figures
+
+    def runs_engine(self) -> bool:
+        """Every replica runs the engine (they publish whether they do)."""
+        return bool(self._figures) and all(f.get("engine") for f in self._figures.values())
 
 
 @serve.deployment(name="Ingress")

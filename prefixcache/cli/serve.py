@@ -40,13 +40,30 @@ def register(app: typer.Typer) -> None:
         block_size: int = typer.Option(16, "--block-size", min=1, help="Tokens per cached block."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
         port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
-        max_batch_size: int = typer.Option(8, "--max-batch-size", min=1, help="Requests per batched generate."),
+        engine: bool = typer.Option(
+            True,
+            "--engine/--no-engine",
+            help="Continuous batching on the paged engine (default); --no-engine: batched generate calls (what a "
+            "model the engine cannot run gets anyway).",
+        ),
+        max_step_tokens: int | None = typer.Option(
+            None, "--max-step-tokens", min=1, help="Engine: tokens in one step (decodes + prefill chunks; default 256)."
+        ),
+        max_chunk_tokens: int | None = typer.Option(
+            None, "--max-chunk-tokens", min=1, help="Engine: prefill tokens one request gets per step (default 256)."
+        ),
+        max_running: int | None = typer.Option(
+            None, "--max-running", min=1, help="Engine: requests running at once (default 32)."
+        ),
+        max_batch_size: int = typer.Option(
+            8, "--max-batch-size", min=1, help="Without the engine: requests per batched generate."
+        ),
         batch_wait_ms: float = typer.Option(
             5.0,
             "--batch-wait-ms",
             min=0.0,
-            help="How long a batch waits for more requests to join, from its oldest request's arrival or the previous "
-            "batch's end (the later).",
+            help="Without the engine: how long a batch waits for more requests to join, from its oldest request's "
+            "arrival or the previous batch's end (the later).",
         ),
         max_tokens: int = typer.Option(
             256, "--default-max-tokens", min=1, help="Tokens a chat completion may generate when it names no limit."
@@ -109,6 +126,10 @@ def register(app: typer.Typer) -> None:
             batch_wait_ms=batch_wait_ms,
             default_max_tokens=max_tokens,
             seed=seed,
+            use_engine=engine,
+            max_step_tokens=max_step_tokens,
+            max_chunk_tokens=max_chunk_tokens,
+            max_running=max_running,
         )
         try:
             if replicas == 1:

@@ -17,6 +17,7 @@ import uuid
 import httpx
 import openai
 import pytest
+import torch
 from serve_testutil import Committed, bare_greedy, cli_server, server_thread
 
 from engine.models import build_preset
@@ -250,6 +251,84 @@ def test_without_the_engine_concurrent_requests_form_one_batch_with_unchanged_ou
         _idle(backend, pcm)
 
 
+def _bare_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log-softmax of the bare model's logits at every position of ``ids`` (float32)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_logprobs_are_the_bare_models_and_served_from_cache(srv, bare):
+    url, client, pcm, backend = srv
+    model, tok = bare
+    salt = _salt()
+    context = list(tok("Echo scoring test: the context every choice shares, long enough for blocks. ").input_ids)
+    choices = [list(tok(c).input_ids)[1:] for c in (" Paris.", " Rome, of course.", " Paris")]  # no BOS
+    cached = []
+    for cont in [*choices, choices[0]]:
+        ids = context + cont
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+        r = httpx.post(f"{url}/v1/completions", json={**body, "cache_salt": salt}, timeout=60).json()
+        lp = r["choices"][0]["logprobs"]
+        ref = _bare_logprobs(model, ids)
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        got = torch.tensor(lp["token_logprobs"][1 : len(ids)])
+        assert (got - want).abs().max().item() < 1e-4
+        # the one generated token: greedy, with its log-prob; each position's top-1 is the argmax
+        nxt = int(ref[-1].argmax())
+        assert r["choices"][0]["text"] == tok.decode(ids, skip_special_tokens=True) + tok.decode([nxt])
+        assert abs(lp["token_logprobs"][-1] - float(ref[-1, nxt])) < 1e-4
+        for i in range(1, len(ids)):
+            (top,) = lp["top_logprobs"][i].values()
+            assert abs(top - float(ref[i - 1].max())) < 1e-4
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+        cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # the first computes the context; the others find it (and its tokens' log-probs) cached
+    assert cached[0] == 0 and all(c >= (len(context) - 1) // BS * BS for c in cached[1:])
+    assert cached[3] >= (len(context) + len(choices[0]) - 1) // BS * BS
+    # echo with max_tokens 0 scores the prompt only
+    body = {"model": MODEL, "prompt": context, "max_tokens": 0, "logprobs": 0, "echo": True, "cache_salt": salt}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 0 and len(r["choices"][0]["logprobs"]["token_logprobs"]) == len(context)
+    _idle(backend, pcm)
+
+
+def test_chat_logprobs_seed_and_stop_token_ids(srv, bare):
+    url, client, pcm, backend = srv
+    model, tok = bare
+    messages = [{"role": "user", "content": "Give me log-probs, please."}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    ids = _chat_ids(tok, messages)
+    want = bare_greedy(model, ids, 6)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want)
+    ref = _bare_logprobs(model, ids + want)
+    for i, item in enumerate(content):
+        row = ref[len(ids) - 1 + i]
+        assert abs(item.logprob - float(row[want[i]])) < 1e-4 and len(item.top_logprobs) <= 2
+        assert abs(item.top_logprobs[0].logprob - float(row.max())) < 1e-4
+
+    # a per-request seed: the same seed draws the same tokens, whatever runs beside it
+    def sampled(seed: int) -> str:
+        out = client.completions.create(model=MODEL, prompt="seeded", max_tokens=12, temperature=1.0, seed=seed)
+        return out.choices[0].text
+
+    assert sampled(7) == sampled(7)
+    assert len({sampled(s) for s in range(4)}) > 1
+    # stop_token_ids: generation stops after the first of them
+    ids = list(tok("stop here").input_ids)
+    free = bare_greedy(model, ids, 8)
+    stop = free[3]
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [stop]}
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == free.index(stop) + 1
+    _idle(backend, pcm)
+
+
 BAD_REQUESTS = {
     "malformed json": ("completions", b'{"model": "tiny", "prompt": "a",', 400, None, None),
     "not an object": ("completions", b"[1, 2, 3]", 400, None, None),
@@ -290,6 +369,36 @@ BAD_REQUESTS = {
     "token id outside the vocabulary": ("completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt", None),
     "empty salt": ("completions", {"model": MODEL, "prompt": "a", "cache_salt": ""}, 400, "cache_salt", None),
     "n > 1": ("completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", None),
+    "stop strings": ("completions", {"model": MODEL, "prompt": "a", "stop": ["."]}, 400, "stop", None),
+    "logprobs above 5": ("completions", {"model": MODEL, "prompt": "a", "logprobs": 6}, 400, "logprobs", None),
+    "echo with stream": (
+        "completions",
+        {"model": MODEL, "prompt": "ab", "echo": True, "stream": True},
+        400,
+        "echo",
+        None,
+    ),
+    "max_tokens 0 without echo": (
+        "completions",
+        {"model": MODEL, "prompt": "a", "max_tokens": 0},
+        400,
+        "max_tokens",
+        None,
+    ),
+    "top_logprobs without logprobs": (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    "stop id outside the vocabulary": (
+        "completions",
+        {"model": MODEL, "prompt": "a", "stop_token_ids": [100000]},
+        400,
+        "stop_token_ids",
+        None,
+    ),
 }
 
 

@@ -49,7 +49,14 @@ class EngineStats:
     preemptions: int = 0
     largest_step: int = 0
     most_requests: int = 0  # most requests in one step
-    busy_s: float = 0.0  # time inside step()
+    busy_s: float = 0.0  # time inside step(), split below
+    schedule_s: float = 0.0  # planning: admission, matching, allocation, preemption
+    forward_s: float = 0.0  # the model's forward (building the batch included)
+    attention_s: float = 0.0  # of which: attention over the pool
+    finish_s: float = 0.0  # after the forward: scoring, sampling, streaming, caching blocks, finishing
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
 
 
 class Engine:
@@ -125,18 +132,25 @@ class Engine:
         plan = self.scheduler.schedule()
         for req, why in plan.failed:
             self._finish(req, "cancelled" if why == "cancelled" else "error", None if why == "cancelled" else why)
+        s = self.stats
+        planned = time.perf_counter()
+        s.schedule_s += planned - started
         if not plan.work:
+            s.busy_s += planned - started
             return bool(plan.failed) or bool(plan.preempted)
-        self.stats.preemptions += len(plan.preempted)
+        s.preemptions += len(plan.preempted)
         try:
-            logits, spans = self._forward(plan)
+            logits, spans, attention_s = self._forward(plan)
         except Exception as exc:
             for req, _ in plan.work:
                 self._finish(req, "error", exc)
-            self.stats.busy_s += time.perf_counter() - started
+            s.busy_s += time.perf_counter() - started
             return True
+        forwarded = time.perf_counter()
+        s.forward_s += forwarded - planned
+        s.attention_s += attention_s
         self._advance(plan, logits, spans)
-        s = self.stats
+        s.finish_s += time.perf_counter() - forwarded
         n = sum(k for _, k in plan.work)
         s.steps += 1
         s.step_tokens += n
@@ -152,9 +166,9 @@ class Engine:
             if progress is not None:
                 progress(self.stats.finished)
 
-    def _forward(self, plan: Plan) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """One forward of the plan; returns the logits asked for and, per work item, (first scored row, scored
-        rows, sampling row or -1)."""
+    def _forward(self, plan: Plan) -> tuple[torch.Tensor, list[tuple[int, int, int]], float]:
+        """One forward of the plan; returns the logits asked for, per work item (first scored row, scored rows,
+        sampling row or -1), and the seconds spent in attention."""
         rows: list[Row] = []
         ids: list[int] = []
         at: list[int] = []
@@ -183,7 +197,7 @@ class Engine:
                 logits = self.runner.forward(batch, tokens, idx)
         else:
             logits = self.runner.forward(batch, tokens, idx)
-        return logits.float(), spans
+        return logits.float(), spans, batch.attention_s
 
     def _advance(self, plan: Plan, logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
         """After the forward: move each request on, score, sample, stream, cache new full blocks, finish."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -65,6 +66,7 @@ class StepBatch:
     q_len: torch.Tensor | None = None
     kv_len: torch.Tensor | None = None
     layer: int = -1
+    attention_s: float = 0.0  # seconds spent in paged_attention for this batch (all layers)
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -182,6 +184,7 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: attention of the step's queries ([1, Hq, T, D]) over every row's keys
     and values in the pool. Returns [1, T, Hq, D] (as transformers' attention functions do)."""
+    t0 = time.perf_counter()
     b = _current.get()
     if b is None:
         raise RuntimeError(
@@ -202,6 +205,7 @@ def paged_attention(
         _kernel_attention(b, q, kpool, vpool, hkv, scale, cap, window, out)
     for i in b.torch_rows:
         _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
+    b.attention_s += time.perf_counter() - t0
     return out.unsqueeze(0), None
 
 

@@ -150,6 +150,11 @@ class EngineLoop:
             "largest_step": s.largest_step,
             "most_requests": s.most_requests,
             "requests_finished": s.finished,
+            "busy_s": s.busy_s,
+            "schedule_s": s.schedule_s,
+            "forward_s": s.forward_s,
+            "attention_s": s.attention_s,
+            "finish_s": s.finish_s,
         }
 
     @property

@@ -43,6 +43,11 @@ _REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("prefixcache_engine_preemptions", "counter", "Requests preempted when the pool ran short", "preemptions"),
     ("prefixcache_engine_largest_step_tokens", "gauge", "Most tokens computed in one step", "largest_step"),
     ("prefixcache_engine_most_step_requests", "gauge", "Most requests in one step", "most_requests"),
+    ("prefixcache_engine_busy_seconds", "counter", "Time in engine steps", "busy_s"),
+    ("prefixcache_engine_schedule_seconds", "counter", "Of which: scheduling", "schedule_s"),
+    ("prefixcache_engine_forward_seconds", "counter", "Of which: the model's forward", "forward_s"),
+    ("prefixcache_engine_attention_seconds", "counter", "Of the forward: attention over the pool", "attention_s"),
+    ("prefixcache_engine_finish_seconds", "counter", "Of which: sampling, streaming, caching blocks", "finish_s"),
     # the batched-generate fallback
     ("prefixcache_batches", "counter", "Batched generate calls run", "batches"),
     ("prefixcache_batch_rows", "counter", "Requests run in those batches", "batch_rows"),

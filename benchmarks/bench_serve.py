@@ -1,8 +1,8 @@
 """Serving: K concurrent chat clients (the ``openai`` client, streaming, over 127.0.0.1) replay a multi-tenant
 chat scenario against ``prefixcache serve`` in four set-ups:
 
-(a) one process, serial (``--max-batch-size 1``);
-(b) one process, batched (``--max-batch-size 8``);
+(a) one process, serial (``--max-running 1``: the engine runs one request at a time);
+(b) one process, batched (the engine's defaults: continuous batching);
 (c) 2 Ray Serve replicas, pool P each, Ray's default router (power of two choices);
 (d) 2 Ray Serve replicas, pool P each, ``PrefixAwareRouter`` (prefix_balanced).
 
@@ -64,8 +64,8 @@ class Setup:
 
 
 SETUPS = {
-    "a": Setup("a", "1 process, serial", ("--max-batch-size", "1"), 2),
-    "b": Setup("b", "1 process, batched", ("--max-batch-size", "8"), 2),
+    "a": Setup("a", "1 process, serial", ("--max-running", "1"), 2),
+    "b": Setup("b", "1 process, batched", (), 2),
     "c": Setup("c", "2 Ray replicas, Ray's router", ("--replicas", "2", "--router", "ray_default"), 1),
     "d": Setup("d", "2 Ray replicas, PrefixAwareRouter", ("--replicas", "2", "--router", "prefix_balanced"), 1),
 }
@@ -159,7 +159,13 @@ def replica_series(url: str, name: str) -> dict[str, float]:
 
 
 def counters(url: str) -> dict[str, dict[str, float]]:
-    names = ("prefixcache_cache_lookups_total", "prefixcache_batches_total", "prefixcache_batch_rows_total")
+    names = (
+        "prefixcache_cache_lookups_total",
+        "prefixcache_batches_total",
+        "prefixcache_batch_rows_total",
+        "prefixcache_engine_steps_total",
+        "prefixcache_engine_step_requests_total",
+    )
     return {n: replica_series(url, n) for n in names}
 
 
@@ -274,7 +280,11 @@ def measure(url: str, pid: int | None, args: argparse.Namespace, convs: list, th
     def delta(name: str) -> dict[str, float]:
         return {r: v - before[name].get(r, 0.0) for r, v in after[name].items()}
 
-    batches = sum(delta("prefixcache_batches_total").values())
+    batches = sum(delta("prefixcache_batches_total").values())  # the batched-generate fallback
+    rows = sum(delta("prefixcache_batch_rows_total").values())
+    if not batches:  # the engine: requests per step
+        batches = sum(delta("prefixcache_engine_steps_total").values())
+        rows = sum(delta("prefixcache_engine_step_requests_total").values())
     return {
         "requests": result.requests,
         "errors": result.errors,
@@ -286,7 +296,7 @@ def measure(url: str, pid: int | None, args: argparse.Namespace, convs: list, th
         "ttft_p50_ms": 1000 * pct(result.ttft, 0.5),
         "ttft_p99_ms": 1000 * pct(result.ttft, 0.99),
         "requests_per_replica": delta("prefixcache_cache_lookups_total"),
-        "mean_batch_size": sum(delta("prefixcache_batch_rows_total").values()) / batches if batches else None,
+        "mean_batch_size": rows / batches if batches else None,
         "server_cpu_ms_per_request": None if cpu0 is None else 1000 * (cpu1 - cpu0) / max(1, result.requests),
     }
 

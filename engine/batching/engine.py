@@ -43,6 +43,7 @@ class EngineStats:
 
     steps: int = 0
     step_tokens: int = 0  # tokens computed in all steps
+    step_requests: int = 0  # requests in all steps (step_requests / steps: the mean batch)
     decode_tokens: int = 0
     prefill_tokens: int = 0
     finished: int = 0
@@ -154,6 +155,7 @@ class Engine:
         n = sum(k for _, k in plan.work)
         s.steps += 1
         s.step_tokens += n
+        s.step_requests += len(plan.work)
         s.largest_step = max(s.largest_step, n)
         s.most_requests = max(s.most_requests, len(plan.work))
         s.busy_s += time.perf_counter() - started

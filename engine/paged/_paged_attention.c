@@ -11,16 +11,15 @@
  * Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0 (Gemma 2), then a softmax.
  * Query head h reads kv head h / (Hq / Hkv) (grouped-query attention).
  *
- * Work items are (row, kv head) pairs, split across a small pool of threads made on first use. Numerics: an online
+ * Work items are (row, kv head) pairs, split across OpenMP threads: the library links libgomp.so.1, which resolves
+ * to the copy torch has loaded already, so the kernel runs on torch's own thread pool. Numerics: an online
  * softmax one block at a time, in float32; exp is a polynomial accurate to about 2 ulp that the compiler can
  * vectorise.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_THREADS 64
 #define MAX_BLOCK 1024
 #define MAX_DIM 1024
 
@@ -117,53 +116,6 @@ static void run_item(const job_t *j, int r, int g) {
     }
 }
 
-static void run_share(const job_t *j, int share, int shares) {
-    const int items = j->rows * j->hkv;
-    for (int it = share; it < items; it += shares) run_item(j, it / j->hkv, it % j->hkv);
-}
-
-/* ---- a small persistent thread pool ---------------------------------------------------------------------- */
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t start_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND_INITIALIZER;
-static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
-static int started = 0, generation = 0, pending = 0, shares_now = 1;
-static const job_t *current = 0;
-static int start_gen[MAX_THREADS]; /* the generation each worker was made at: it runs every later one */
-
-static void *worker(void *arg) {
-    const int share = (int)(intptr_t)arg;
-    pthread_mutex_lock(&mu);
-    int seen = start_gen[share];
-    pthread_mutex_unlock(&mu);
-    for (;;) {
-        pthread_mutex_lock(&mu);
-        while (generation == seen) pthread_cond_wait(&start_cv, &mu);
-        seen = generation;
-        const job_t *j = current;
-        const int shares = shares_now;
-        pthread_mutex_unlock(&mu);
-        if (share < shares) run_share(j, share, shares);
-        pthread_mutex_lock(&mu);
-        if (--pending == 0) pthread_cond_signal(&done_cv);
-        pthread_mutex_unlock(&mu);
-    }
-    return 0;
-}
-
-static int ensure_threads(int n) {
-    if (n > MAX_THREADS) n = MAX_THREADS;
-    while (started < n - 1) {
-        pthread_t t;
-        pthread_mutex_lock(&mu);
-        start_gen[started + 1] = generation;
-        pthread_mutex_unlock(&mu);
-        if (pthread_create(&t, 0, worker, (void *)(intptr_t)(started + 1)) != 0) break;
-        pthread_detach(t);
-        started++;
-    }
-    return started + 1;
-}
-
 /* Returns 0, or -1 when a block or head is too large for this kernel (the caller uses its fallback). */
 int paged_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kpool, const float *vpool,
                         int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
@@ -173,28 +125,8 @@ int paged_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float 
     job_t j = {q, q_st, q_sh, kpool, vpool, pool_blocks, bs, dim, hkv, hq, tables, table_stride,
                q_start, q_len, kv_len, rows, scale, softcap, window, out};
     const int items = rows * hkv;
-    int n = threads < items ? threads : items;
-    if (n <= 1) {
-        run_share(&j, 0, 1);
-        return 0;
-    }
-    pthread_mutex_lock(&call_mu);
-    n = ensure_threads(n);
-    if (n > 1) {
-        pthread_mutex_lock(&mu);
-        current = &j;
-        shares_now = n;
-        pending = started;
-        generation++;
-        pthread_cond_broadcast(&start_cv);
-        pthread_mutex_unlock(&mu);
-    }
-    run_share(&j, 0, n);
-    if (n > 1) {
-        pthread_mutex_lock(&mu);
-        while (pending > 0) pthread_cond_wait(&done_cv, &mu);
-        pthread_mutex_unlock(&mu);
-    }
-    pthread_mutex_unlock(&call_mu);
+    const int n = threads < items ? threads : items;
+#pragma omp parallel for schedule(static, 1) num_threads(n > 0 ? n : 1)
+    for (int it = 0; it < items; it++) run_item(&j, it / hkv, it % hkv);
     return 0;
 }

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("_paged_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-fopenmp")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -62,7 +62,8 @@ def _build(target: Path) -> str | None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel library (built on first use), or None when it cannot be had (see ``unavailable_reason``)."""
+    """The kernel library (built on first use), or None when it cannot be had (see ``unavailable_reason``).
+    Import torch first: the library's OpenMP runtime is then torch's own (same soname, already loaded)."""
     with _lock:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]

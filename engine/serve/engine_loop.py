@@ -144,6 +144,7 @@ class EngineLoop:
             "running": self.engine.num_running,
             "steps": s.steps,
             "step_tokens": s.step_tokens,
+            "step_requests": s.step_requests,
             "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens,
             "preemptions": s.preemptions,

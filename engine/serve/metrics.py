@@ -33,6 +33,7 @@ _REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
     # the engine
     ("prefixcache_engine_steps", "counter", "Engine steps run", "steps"),
     ("prefixcache_engine_step_tokens", "counter", "Tokens computed in engine steps", "step_tokens"),
+    ("prefixcache_engine_step_requests", "counter", "Requests in engine steps (per step: the batch)", "step_requests"),
     (
         "prefixcache_engine_prefill_tokens",
         "counter",

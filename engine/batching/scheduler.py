@@ -27,7 +27,8 @@ from prefixcache.core.cache import OutOfBlocks, PrefixCache
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Step budget and admission limits (see the module docstring)."""
+    """Step budget and admission limits (see the module docstring). At most ``min(max_running,
+    max_step_tokens)`` requests run at once: each decodes one token every step."""
 
     max_step_tokens: int = 256
     max_chunk_tokens: int = 256
@@ -42,6 +43,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(self.lpm_queue, bool) or not isinstance(self.lpm_queue, int) or self.lpm_queue < 0:
             raise ValueError(f"lpm_queue must be an int >= 0, got {self.lpm_queue!r}")
+
 
 
 @dataclass
@@ -104,22 +106,21 @@ class Scheduler:
         """Give a running request the blocks for ``n`` more tokens, preempting newer running requests (or, last,
         itself) when the pool is short. False when ``req`` itself was preempted or failed."""
         need = self._blocks_needed(req, n)
-        while need > 0:
-            assert req.handle is not None
+        if need <= 0:
+            return True
+        assert req.handle is not None
+        while True:
             try:
                 req.table.extend(self.cache.allocate(req.handle, need))
                 return True
             except OutOfBlocks:
                 victim = self._newest_running(excluding=None)
-                if victim is None:
-                    break
-                if victim is req and len(self.running) == 1:
+                if victim is None or (victim is req and len(self.running) == 1):
                     plan.failed.append((req, self._too_big(req)))
                     return False
                 self._preempt_one(victim, plan)
                 if victim is req:
                     return False
-        return True
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         bs = self.block_size
@@ -153,7 +154,8 @@ class Scheduler:
         if len(self.waiting) > cfg.lpm_queue:
             self._longest_prefix_first()
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+        most = min(cfg.max_running, cfg.max_step_tokens)  # every running request decodes a token each step
+        while self.waiting and budget > 0 and len(self.running) < most:
             req = self.waiting.popleft()
             if req.cancelled:
                 plan.failed.append((req, "cancelled"))

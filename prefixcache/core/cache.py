@@ -496,6 +496,12 @@ class PrefixCache:
         if len(block_ids) < nblocks:
             raise ValueError(f"commit_blocks: {len(block_ids)} block ids for {nblocks} full blocks of tokens")
         owned = handle.owned or set()
+        pinned = self._path_blocks(handle.terminal)
+        if nblocks < pinned:
+            raise ValueError(
+                f"commit_blocks: request {handle.id} holds {pinned} cached blocks; committing {nblocks} would unpin "
+                "blocks its table still uses (commit the whole sequence so far)"
+            )
         root = self.tree.roots.get(("tokens", handle.namespace))
         terminal, have = self._walked(self.tree.walk_tokens(root, data, nblocks))
         tree_ids = self._path_ids(terminal)
@@ -512,6 +518,15 @@ class PrefixCache:
             owned.difference_update(dups)
             self.allocator.free(np.asarray(dups, dtype=np.int64))
         return BlockCommit((*tree_ids, *own[:adopted]), adopted, len(dups), len(own) - adopted)
+
+    @staticmethod
+    def _path_blocks(terminal: Node | None) -> int:
+        """Blocks on the path from the root to ``terminal``."""
+        n, node = 0, terminal
+        while node is not None and node.parent is not None:
+            n += len(node.blocks)
+            node = node.parent
+        return n
 
     def _path_ids(self, terminal: Node | None) -> list[int]:
         """The block ids of the path from the root to ``terminal``, in order."""

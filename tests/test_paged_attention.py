@@ -1,0 +1,220 @@
+"""``paged_attention`` against a contiguous brute-force attention written here, on random shapes and block tables.
+
+Each example draws 1-3 rows (new tokens ``q_len``, length after the step ``kv_len``), a head layout (grouped-query
+attention included), a head dim, a block size (1, 5, 16), an optional logit soft-cap and sliding window, and gives
+every row a block table of distinct pool blocks in random order (extra blocks past the row's end included). The
+pool starts full of random garbage; each row's past keys and values are written straight into its blocks (slot =
+block * block_size + offset) and its new ones go in through ``PagedKV.update``, as in a forward. The result must
+equal, within 1e-5, a float64 reference that takes each row's keys and values as plain contiguous tensors: scores
+q.k * scale, optional softcap * tanh(s / softcap), query position p = kv_len - q_len + i attends keys j <= p (and
+j > p - window with a window), softmax, weighted sum; query head h reads kv head h // (Hq / Hkv). Both the C kernel
+(rows with few new tokens) and the torch path (every row, ``use_kernel=False``) are checked, and ``update`` must
+write the new tokens' slots and nothing else. A second property checks ``fresh_from``: recomputed positions write
+to the scratch block only; the rows' blocks keep what they held.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.kv_pool import KVPool, LayerSpec
+from engine.paged import kernel
+from engine.paged.attention import KERNEL_MAX_QUERIES, PagedKV, Row, StepBatch, paged_attention, use_batch
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def reference(q, k, v, kv_len, scale, softcap, window):
+    """Brute-force attention of one row: q [Hq, q_len, D], k and v [Hkv, kv_len, D] -> [q_len, Hq, D] (float64)."""
+    q, k, v = q.double(), k.double(), v.double()
+    hq, q_len, dim = q.shape
+    hkv = k.shape[0]
+    group = hq // hkv
+    out = torch.zeros((q_len, hq, dim), dtype=torch.float64)
+    for h in range(hq):
+        kh, vh = k[h // group], v[h // group]
+        for i in range(q_len):
+            p = kv_len - q_len + i
+            allowed = [j for j in range(kv_len) if j <= p and (not window or j > p - window)]
+            s = torch.stack([(q[h, i] * kh[j]).sum() * scale for j in allowed])
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            w = torch.softmax(s, dim=0)
+            out[i, h] = (w[:, None] * vh[allowed]).sum(dim=0)
+    return out
+
+
+def pool_view(side: torch.Tensor, bs: int) -> torch.Tensor:
+    """A pool layer side [heads, num_blocks + 1, bs * dim] as [heads, slots, dim]."""
+    heads, _, width = side.shape
+    return side.view(heads, -1, width // bs)
+
+
+@st.composite
+def cases(draw):
+    bs = draw(st.sampled_from([1, 5, 16]))
+    hkv = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.sampled_from([g for g in (1, 2, 4) if hkv * g <= 4]))  # 1-4 query heads, GQA groups 1-4
+    dim = draw(st.sampled_from([8, 16, 64]))
+    nrows = draw(st.integers(1, 3))
+    shapes = []
+    for _ in range(nrows):
+        q_len = draw(st.one_of(st.integers(1, KERNEL_MAX_QUERIES), st.integers(1, 12)))
+        kv_len = draw(st.integers(q_len, 70))
+        extra = draw(st.integers(0, 2))  # blocks past the row's end: never read
+        shapes.append((q_len, kv_len, -(-kv_len // bs) + extra))
+    spare = draw(st.integers(0, 4))
+    num_blocks = sum(n for *_, n in shapes) + spare
+    perm = draw(st.permutations(range(num_blocks)))
+    tables, at = [], 0
+    for *_, n in shapes:
+        tables.append(list(perm[at : at + n]))
+        at += n
+    softcap = draw(st.sampled_from([None, None, 1.5, 20.0]))
+    window = draw(st.sampled_from([None, None, 1, 3, 7, 20]))
+    scale = draw(st.sampled_from([None, 0.3, 1.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return bs, hkv, hkv * group, dim, shapes, tables, num_blocks, softcap, window, scale, seed
+
+
+def run_case(case, use_kernel: bool):
+    bs, hkv, hq, dim, shapes, tables, num_blocks, softcap, window, scale, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool([LayerSpec((hkv, dim), (hkv, dim))], num_blocks, bs, dtype=torch.float32, device="cpu")
+    kpool, vpool = pool.layer(0)
+    kpool.copy_(torch.randn(kpool.shape, generator=gen) * 3)  # garbage wherever the rows do not write
+    vpool.copy_(torch.randn(vpool.shape, generator=gen) * 3)
+    kview, vview = pool_view(kpool, bs), pool_view(vpool, bs)
+    rows, keys, values, new_k, new_v, new_slots = [], [], [], [], [], []
+    t = 0
+    for (q_len, kv_len, _), table in zip(shapes, tables):
+        k = torch.randn((hkv, kv_len, dim), generator=gen)
+        v = torch.randn((hkv, kv_len, dim), generator=gen)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(kv_len)])
+        first = kv_len - q_len
+        kview[:, slots[:first]] = k[:, :first]  # the past: already in the pool
+        vview[:, slots[:first]] = v[:, :first]
+        new_k.append(k[:, first:])
+        new_v.append(v[:, first:])
+        new_slots.append(slots[first:])
+        keys.append(k)
+        values.append(v)
+        rows.append(Row(t, q_len, kv_len, table))
+        t += q_len
+    query = torch.randn((1, hq, t, dim), generator=gen)
+    before_k, before_v = kview.clone(), vview.clone()
+    batch = StepBatch.make(pool, rows, use_kernel=use_kernel)
+    if use_kernel:
+        assert batch.kernel_rows == [i for i, r in enumerate(rows) if r.q_len <= KERNEL_MAX_QUERIES]
+    else:
+        assert batch.kernel_rows == [] and batch.torch_rows == list(range(len(rows)))
+    PagedKV(batch).update(torch.cat(new_k, dim=1)[None], torch.cat(new_v, dim=1)[None], layer_idx=0)
+    assert batch.layer == 0
+    # update wrote exactly the new tokens' slots
+    written = torch.cat(new_slots)
+    untouched = torch.ones(kview.shape[1], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(kview[:, untouched], before_k[:, untouched])
+    assert torch.equal(vview[:, untouched], before_v[:, untouched])
+    assert torch.equal(kview[:, written], torch.cat(new_k, dim=1))
+    assert torch.equal(vview[:, written], torch.cat(new_v, dim=1))
+    with use_batch(batch):
+        out, weights = paged_attention(
+            torch.nn.Identity(), query, None, None, None, scaling=scale, sliding_window=window, softcap=softcap
+        )
+    assert weights is None
+    assert out.shape == (1, t, hq, dim)
+    eff_scale = scale if scale is not None else 1.0 / math.sqrt(dim)
+    for r, k, v in zip(rows, keys, values):
+        q = query[0, :, r.q_start : r.q_start + r.q_len]
+        want = reference(q, k, v, r.kv_len, eff_scale, softcap, window)
+        got = out[0, r.q_start : r.q_start + r.q_len].double()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"row {r}: {m}")
+
+
+@SETTINGS
+@given(case=cases())
+def test_torch_path_equals_contiguous_reference(case):
+    run_case(case, use_kernel=False)
+
+
+@SETTINGS
+@given(case=cases())
+def test_kernel_equals_contiguous_reference(case):
+    if kernel.load() is None:
+        pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
+    run_case(case, use_kernel=True)
+
+
+def test_kernel_is_available_with_a_compiler():
+    """The kernel tests above are not silently skipped where a C compiler exists."""
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler")
+    assert kernel.load() is not None, kernel.unavailable_reason()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    bs=st.sampled_from([1, 4, 16]),
+    q_len=st.integers(1, 10),
+    past=st.integers(0, 30),
+    fresh_at=st.floats(0, 1),
+    use_kernel=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fresh_from_writes_recomputed_positions_to_scratch(bs, q_len, past, fresh_at, use_kernel, seed):
+    """Positions below ``fresh_from`` already have their K/V in the row's blocks: what the forward makes of them
+    goes to the scratch block, the rows' blocks keep their contents, and attention reads the blocks' K/V."""
+    hkv, hq, dim = 2, 4, 8
+    kv_len = past + q_len
+    first = past
+    fresh_from = first + round(fresh_at * q_len)  # first .. kv_len: some, none or all of the new tokens recomputed
+    gen = torch.Generator().manual_seed(seed)
+    nb = -(-kv_len // bs)
+    num_blocks = nb + 3
+    pool = KVPool([LayerSpec((hkv, dim), (hkv, dim))], num_blocks, bs, dtype=torch.float32, device="cpu")
+    kpool, vpool = pool.layer(0)
+    kpool.copy_(torch.randn(kpool.shape, generator=gen))
+    vpool.copy_(torch.randn(vpool.shape, generator=gen))
+    table = torch.randperm(num_blocks, generator=gen)[:nb].tolist()
+    kview, vview = pool_view(kpool, bs), pool_view(vpool, bs)
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(kv_len)])
+    k_true = torch.randn((hkv, kv_len, dim), generator=gen)
+    v_true = torch.randn((hkv, kv_len, dim), generator=gen)
+    kview[:, slots[:fresh_from]] = k_true[:, :fresh_from]  # cached: the true K/V of the positions below fresh_from
+    vview[:, slots[:fresh_from]] = v_true[:, :fresh_from]
+    k_new, v_new = k_true[:, first:].clone(), v_true[:, first:].clone()
+    recomputed = fresh_from - first
+    k_new[:, :recomputed] += 100.0  # what the forward writes for the recomputed positions: must not land
+    v_new[:, :recomputed] -= 100.0
+    before_k, before_v = kpool.clone(), vpool.clone()
+    batch = StepBatch.make(pool, [Row(0, q_len, kv_len, table, fresh_from=fresh_from)], use_kernel=use_kernel)
+    scratch = pool.scratch_block
+    want_slots = [
+        scratch * bs + p % bs if p < fresh_from else table[p // bs] * bs + p % bs for p in range(first, kv_len)
+    ]
+    assert batch.slots.tolist() == want_slots
+    PagedKV(batch).update(k_new[None], v_new[None], layer_idx=0)
+    for side, before, true in ((kpool, before_k, k_true), (vpool, before_v, v_true)):
+        # every block but the scratch one: unchanged except the fresh positions' slots, which hold the new K/V
+        view, prev = pool_view(side, bs), pool_view(before, bs)
+        fresh = slots[fresh_from:]
+        keep = torch.ones(num_blocks * bs, dtype=torch.bool)
+        keep[fresh] = False
+        assert torch.equal(view[:, : num_blocks * bs][:, keep], prev[:, : num_blocks * bs][:, keep])
+        assert torch.equal(view[:, fresh], true[:, fresh_from:])
+        assert torch.equal(view[:, slots], true)  # the row's blocks now hold exactly its true K/V
+        if recomputed:
+            assert not torch.equal(side[:, scratch], before[:, scratch])
+    query = torch.randn((1, hq, q_len, dim), generator=gen)
+    with use_batch(batch):
+        out, _ = paged_attention(torch.nn.Identity(), query, None, None, None)
+    want = reference(query[0], k_true, v_true, kv_len, 1.0 / math.sqrt(dim), None, None)
+    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)

@@ -60,7 +60,9 @@ def run_prefixcache(model, prompts: list[list[int]], new: int, block: int) -> tu
     return wall, gens, info
 
 
-def run_transformers(model, prompts: list[list[int]], new: int, sharing: bool, page: int) -> tuple[float, list[list[int]], dict]:
+def run_transformers(
+    model, prompts: list[list[int]], new: int, sharing: bool, page: int
+) -> tuple[float, list[list[int]], dict]:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     need = sum(len(p) + new for p in prompts)
@@ -125,8 +127,17 @@ def main() -> None:
         bare_ok += bare[0, len(prompts[i]) :].tolist() == ref[i]
     tokens = args.prompts * args.new
     med = {m: statistics.median(w) for m, w in walls.items()}
-    table = Table(title=f"{args.prompts} prompts = {args.prefix} shared + {args.suffix} own tokens, {args.new} new each ({args.model})")
-    for col in ("method", "wall s (median)", "runs", "generated tok/s", "vs transformers_sharing", "same outputs as prefixcache"):
+    table = Table(
+        title=f"{args.prompts} prompts = {args.prefix} shared + {args.suffix} own tokens, {args.new} new each ({args.model})"
+    )
+    for col in (
+        "method",
+        "wall s (median)",
+        "runs",
+        "generated tok/s",
+        "vs transformers_sharing",
+        "same outputs as prefixcache",
+    ):
         table.add_column(col, justify="right" if col != "method" else "left")
     for m in methods:
         table.add_row(
@@ -149,7 +160,12 @@ def main() -> None:
         "same_outputs_as_prefixcache": same,
         "bare_model_agrees": [bare_ok, min(args.check, len(prompts))],
         "info": info,
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
+        "host": {
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+        },
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ the process's peak resident memory over its resident memory before the rows ran 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -36,10 +37,8 @@ def _status(key: str) -> int:
 
 def _reset_peak() -> None:
     """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs)."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def child_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,8 +156,12 @@ def main() -> None:
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     mib = 1 << 20
-    print(f"{args.rows} rows sharing a {args.prefix}-token prefix (+{args.suffix} own, {args.new} new), {args.model}:\n")
-    print("| method | pool | KV held beyond the pool | per-row copies would be | distinct pool blocks in use | peak RSS growth |")
+    print(
+        f"{args.rows} rows sharing a {args.prefix}-token prefix (+{args.suffix} own, {args.new} new), {args.model}:\n"
+    )
+    print(
+        "| method | pool | KV held beyond the pool | per-row copies would be | distinct pool blocks in use | peak RSS growth |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         distinct = f"{r['peak_distinct_bytes'] / mib:,.0f} MiB" if "peak_distinct_bytes" in r else "-"

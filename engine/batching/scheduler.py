@@ -45,7 +45,6 @@ class SchedulerConfig:
             raise ValueError(f"lpm_queue must be an int >= 0, got {self.lpm_queue!r}")
 
 
-
 @dataclass
 class Plan:
     """One step: ``work`` (request, tokens to compute) in batch order; requests preempted and failed meanwhile."""

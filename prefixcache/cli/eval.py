@@ -1,0 +1,45 @@
+"""The ``eval`` CLI command: lm-evaluation-harness with the ``prefixcache`` model registered. Every argument goes
+to lm-eval's own command line unchanged (``prefixcache eval --help`` is lm-eval's help). ``register(app)`` adds it
+to the typer app. lm-eval and the engine are imported only inside the command; without lm-eval it prints one line
+naming the extra to install and exits 2, as it does for a ValueError (an unknown task, a bad model path)."""
+
+import importlib
+
+import typer
+
+from prefixcache.cli import console
+
+EXIT_USAGE = 2
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``eval`` command to ``app`` (changes ``app`` only)."""
+
+    @app.command(
+        "eval",
+        add_help_option=False,  # --help is lm-eval's
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )
+    def eval_(ctx: typer.Context) -> None:
+        """Run lm-evaluation-harness with --model prefixcache available (every argument is lm-eval's; --help
+        shows its options): scores and generations as --model hf gives them, shared prefixes computed once.
+
+        Examples:
+
+          prefixcache eval --model prefixcache --model_args pretrained=DIR,max_cached_tokens=65536 --tasks arc_easy
+
+          prefixcache eval --model prefixcache --model_args pretrained=small --tasks mytask --include_path TASKDIR
+        """
+        try:
+            importlib.import_module("lm_eval")
+        except ImportError:
+            console.error("prefixcache eval needs lm-eval: pip install 'prefixcache[eval]'")
+            raise typer.Exit(EXIT_USAGE) from None
+        from engine.lm_eval_model import cli_main
+
+        try:
+            status = cli_main(list(ctx.args))
+        except ValueError as exc:  # lm-eval's and the model's user errors: an unknown task, a bad model path
+            console.error(str(exc))
+            raise typer.Exit(EXIT_USAGE) from None
+        raise typer.Exit(status)

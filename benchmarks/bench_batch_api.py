@@ -42,8 +42,17 @@ def workload(n: int, prefix: int, suffix: int, vocab: int, seed: int) -> list[li
     return [shared + torch.randint(0, 256, (suffix,), generator=gen).tolist() for _ in range(n)]
 
 
+def _shared_prefix(prompts: list[list[int]]) -> int:
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
+
+
 def run_prefixcache(model, prompts: list[list[int]], new: int, block: int) -> tuple[float, list[list[int]], dict]:
-    pool_tokens = len(prompts[0]) * 2 + len(prompts) * (len(prompts[0]) - 0 + new)  # room for every request
+    prefix = _shared_prefix(prompts)
+    pool_tokens = prefix + len(prompts) * (max(map(len, prompts)) - prefix + new + 2 * block)  # every request's own
     pcm = PrefixCachedModel(model, max_cached_tokens=pool_tokens, block_size=block)
     pcm.engine()  # build (and probe) outside the timer, as transformers builds its manager outside its own
     t0 = time.perf_counter()
@@ -61,13 +70,20 @@ def run_prefixcache(model, prompts: list[list[int]], new: int, block: int) -> tu
 
 
 def run_transformers(
-    model, prompts: list[list[int]], new: int, sharing: bool, page: int
+    model, prompts: list[list[int]], new: int, sharing: bool, page: int, batch_tokens: int
 ) -> tuple[float, list[list[int]], dict]:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    need = sum(len(p) + new for p in prompts)
+    # pages for every request at once, the shared prefix's full pages counted once when shared; transformers counts
+    # this allocation inside generate_batch, so it is sized to the workload, as prefixcache's pool is
+    prefix = _shared_prefix(prompts) if sharing else 0
+    own = max(map(len, prompts)) + new - (prefix // page) * page
     config = ContinuousBatchingConfig(
-        page_size=page, num_blocks=need // page + len(prompts) + 8, allow_block_sharing=sharing
+        page_size=page,
+        num_blocks=prefix // page + len(prompts) * -(-own // page) + 8,
+        max_memory_percent=0.9,
+        max_batch_tokens=batch_tokens,  # left to itself it sizes a step for the whole RAM and refuses to start
+        allow_block_sharing=sharing,
     )
     gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     t0 = time.perf_counter()
@@ -77,7 +93,8 @@ def run_transformers(
     for res in out.values():  # request ids are "req_<i>"
         i = int(str(res.request_id).split("_")[1])
         by_prompt[i] = list(res.generated_tokens)
-    return wall, [by_prompt[i] for i in range(len(prompts))], {"page_size": page, "block_sharing": sharing}
+    info = {"page_size": page, "block_sharing": sharing, "max_batch_tokens": batch_tokens}
+    return wall, [by_prompt[i] for i in range(len(prompts))], info
 
 
 def main() -> None:
@@ -89,6 +106,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--block", type=int, default=16, help="prefixcache block size")
     ap.add_argument("--page", type=int, default=256, help="transformers' page size (its default is 256)")
+    ap.add_argument("--tf-batch-tokens", type=int, default=256, help="transformers' max_batch_tokens (ours: 256)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-sharing-too", action="store_true", help="also transformers without block sharing")
     ap.add_argument("--check", type=int, default=2, help="requests also checked against the bare model's generate")
@@ -103,9 +121,13 @@ def main() -> None:
     model.generation_config.eos_token_id = None  # every request generates exactly --new tokens
     prompts = workload(args.prompts, args.prefix, args.suffix, model.config.vocab_size, args.seed)
     methods: dict[str, Any] = {"prefixcache": lambda: run_prefixcache(model, prompts, args.new, args.block)}
-    methods["transformers_sharing"] = lambda: run_transformers(model, prompts, args.new, True, args.page)
+    methods["transformers_sharing"] = lambda: run_transformers(
+        model, prompts, args.new, True, args.page, args.tf_batch_tokens
+    )
     if args.no_sharing_too:
-        methods["transformers_no_sharing"] = lambda: run_transformers(model, prompts, args.new, False, args.page)
+        methods["transformers_no_sharing"] = lambda: run_transformers(
+            model, prompts, args.new, False, args.page, args.tf_batch_tokens
+        )
     walls: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {}
     info: dict[str, Any] = {}

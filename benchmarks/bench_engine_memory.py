@@ -41,11 +41,11 @@ def _reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
-def child_engine(args: argparse.Namespace) -> dict[str, Any]:
+def _setup(args: argparse.Namespace) -> tuple[Any, list[list[int]], int]:
+    """A wrapper on a fresh model with the shared prefix cached, the rows, and KV bytes per token."""
     import torch
 
     from engine import PrefixCachedModel
-    from engine.batching.offline import generate_requests
     from engine.kv_pool import bytes_per_token
     from engine.models import load_model
 
@@ -57,9 +57,15 @@ def child_engine(args: argparse.Namespace) -> dict[str, Any]:
     rows = [prefix + torch.randint(0, 256, (args.suffix,), generator=gen).tolist() for _ in range(args.rows)]
     pool_tokens = (args.prefix + args.rows * (args.suffix + args.new)) * 2
     pcm = PrefixCachedModel(model, max_cached_tokens=pool_tokens, block_size=16)
-    per_token = bytes_per_token(pcm._specs, model.dtype)
-    per_block = per_token * pcm.block_size
     pcm.generate(torch.tensor([prefix + [1]]), max_new_tokens=1, do_sample=False)  # the prefix is cached
+    return pcm, rows, bytes_per_token(pcm._specs, model.dtype)
+
+
+def child_engine(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.batching.offline import generate_requests
+
+    pcm, rows, per_token = _setup(args)
+    per_block = per_token * pcm.block_size
     eng = pcm.engine()
     assert eng is not None
     rss0 = _status("VmRSS")
@@ -97,20 +103,7 @@ def _params(new: int):
 def child_batched(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from engine import PrefixCachedModel
-    from engine.kv_pool import bytes_per_token
-    from engine.models import load_model
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model, _ = load_model(args.model)
-    model.generation_config.eos_token_id = None
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 256, (args.prefix,), generator=gen).tolist()
-    rows = [prefix + torch.randint(0, 256, (args.suffix,), generator=gen).tolist() for _ in range(args.rows)]
-    pool_tokens = (args.prefix + args.rows * (args.suffix + args.new)) * 2
-    pcm = PrefixCachedModel(model, max_cached_tokens=pool_tokens, block_size=16)
-    per_token = bytes_per_token(pcm._specs, model.dtype)
-    pcm.generate(torch.tensor([prefix + [1]]), max_new_tokens=1, do_sample=False)
+    pcm, rows, per_token = _setup(args)
     width = max(len(r) for r in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros_like(ids)

@@ -1,0 +1,185 @@
+"""Where the engine's time goes: serve_peers' chat workload driven straight into the engine (no HTTP), step by step.
+
+    python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
+                                            [--block-size 16] [--json FILE]
+
+``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
+turns of ~60 tokens, 32-token greedy replies: the workload of ``../shared/serve_peers/``, built by its own
+``round_chats``) against ``Engine`` directly: each client submits its next turn as soon as its reply finishes, the
+loop steps the engine. Printed: requests/s, TTFT, cached tokens, and the split of the engine's busy time into
+scheduling, the forward (and attention inside it), and what follows the forward (log-softmax/sampling, streaming,
+committing blocks); the rest of the wall time is this loop's own Python (chat templates, decoding replies).
+Compared with ``serve_peers.py --servers pc`` on the same machine, the difference in requests/s is what HTTP, the
+event loop and the engine thread cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine import PrefixCachedModel  # noqa: E402
+from engine.batching.request import Finished, Request  # noqa: E402
+from engine.batching.sampling import SamplingParams  # noqa: E402
+from engine.batching.scheduler import SchedulerConfig  # noqa: E402
+
+
+def _round_chats() -> Any:
+    peers = ROOT.parent / "shared" / "serve_peers"
+    if not (peers / "serve_peers.py").exists():
+        raise SystemExit(f"needs ../shared/serve_peers/serve_peers.py (its round_chats workload); not found at {peers}")
+    sys.path.insert(0, str(peers))
+    from serve_peers import round_chats
+
+    return round_chats
+
+
+class Client:
+    """One closed-loop client: plays its chats turn by turn, the history growing with every reply."""
+
+    def __init__(self, chats: list[dict], pcm: PrefixCachedModel, engine: Any, max_tokens: int) -> None:
+        self.chats, self.pcm, self.engine, self.max_tokens = list(chats), pcm, engine, max_tokens
+        self.chat: dict | None = None
+        self.turn = 0
+        self.history: list[dict] = []
+        self.t0 = 0.0
+        self.got_first = False
+        self.result: Finished | None = None
+        self.ttft: list[float] = []
+        self.cached: list[int] = []
+        self.prompts: list[int] = []
+
+    def tokens(self, ids: list[int]) -> None:  # the request's sink: called as tokens come
+        if not self.got_first:
+            self.ttft.append(time.monotonic() - self.t0)
+            self.got_first = True
+
+    def finished(self, result: Finished) -> None:
+        self.result = result
+
+    def submit_next(self) -> bool:
+        """Submit the next turn; False when this client's chats are done."""
+        if self.chat is None or self.turn >= len(self.chat["users"]):
+            if not self.chats:
+                return False
+            self.chat, self.turn = self.chats.pop(0), 0
+            self.history = [{"role": "system", "content": self.chat["system"]}]
+        self.history.append({"role": "user", "content": self.chat["users"][self.turn]})
+        self.turn += 1
+        tok = self.pcm.tokenizer
+        ids = list(tok.apply_chat_template(self.history, add_generation_prompt=True, tokenize=True)["input_ids"])
+        self.prompts.append(len(ids))
+        self.got_first, self.result, self.t0 = False, None, time.monotonic()
+        sampling = SamplingParams(max_tokens=self.max_tokens)
+        self.engine.submit(
+            Request(f"turn{len(self.prompts)}", ids, f"{self.pcm.fingerprint}:default", sampling, sink=self)
+        )
+        return True
+
+    def collect(self) -> bool:
+        """After a step: record a finished reply and submit the next turn. False when done."""
+        res = self.result
+        if res is None:
+            return True
+        if res.error is not None:
+            raise SystemExit(f"request failed: {res.error}")
+        self.cached.append(res.cached_tokens)
+        reply = self.pcm.tokenizer.decode(list(res.output), skip_special_tokens=True).replace("\ufffd", "")
+        self.history.append({"role": "assistant", "content": reply})
+        return self.submit_next()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--chats", type=int, default=16)
+    ap.add_argument("--tenants", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-step-tokens", type=int, default=256)
+    ap.add_argument("--max-chunk-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pool-tokens", type=int, default=32768)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    round_chats = _round_chats()
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = SchedulerConfig(max_step_tokens=args.max_step_tokens, max_chunk_tokens=args.max_chunk_tokens)
+    pcm = PrefixCachedModel.from_pretrained(
+        args.model, max_cached_tokens=args.pool_tokens, block_size=args.block_size, engine_config=config
+    )
+    engine = pcm.engine()
+    if engine is None:
+        raise SystemExit(f"the engine cannot run this model: {pcm.engine_unsupported_reason}")
+    chats = round_chats(args.seed, args.chats, args.tenants, args.turns, 300, 60)
+    clients = [Client(chats[i :: args.clients], pcm, engine, args.max_tokens) for i in range(args.clients)]
+    t0 = time.monotonic()
+    active = [c for c in clients if c.submit_next()]
+    while active:
+        with pcm.lock:
+            engine.step()
+        active = [c for c in active if c.collect()]
+    wall = time.monotonic() - t0
+    pcm.cache.check_integrity()
+    s = engine.stats
+    ttft = sorted(t for c in clients for t in c.ttft)
+    done = len(ttft)
+    result = {
+        "requests": done,
+        "wall_s": wall,
+        "requests_per_s": done / wall,
+        "ttft_p50_ms": 1000 * ttft[done // 2],
+        "ttft_p99_ms": 1000 * ttft[min(done - 1, int(done * 0.99))],
+        "mean_prompt_tokens": statistics.mean(p for c in clients for p in c.prompts),
+        "mean_cached_tokens": statistics.mean(x for c in clients for x in c.cached),
+        "steps": s.steps,
+        "tokens_per_step": s.step_tokens / s.steps,
+        "requests_per_step": s.step_requests / s.steps,
+        "prefill_tokens": s.prefill_tokens,
+        "decode_tokens": s.decode_tokens,
+        "preemptions": s.preemptions,
+        "time_s": {
+            "schedule": s.schedule_s,
+            "forward_without_attention": s.forward_s - s.attention_s,
+            "attention": s.attention_s,
+            "after_forward": s.finish_s,
+            "outside_step": wall - s.busy_s,
+        },
+    }
+    console = Console()
+    console.print(
+        f"{done} requests in {wall:.1f} s: {result['requests_per_s']:.2f} req/s; TTFT p50 {result['ttft_p50_ms']:.0f} "
+        f"/ p99 {result['ttft_p99_ms']:.0f} ms; prompt {result['mean_prompt_tokens']:.0f} tokens, cached "
+        f"{result['mean_cached_tokens']:.0f}; {s.steps} steps of {result['tokens_per_step']:.1f} tokens, "
+        f"{result['requests_per_step']:.1f} requests"
+    )
+    table = Table(title=f"where the time goes ({args.model}, {args.clients} clients, no HTTP)")
+    for col in ("part", "seconds", "share of wall", "ms per step"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+    for part, sec in result["time_s"].items():
+        table.add_row(part.replace("_", " "), f"{sec:.1f}", f"{100 * sec / wall:.1f}%", f"{1000 * sec / s.steps:.2f}")
+    console.print(table)
+    if args.json:
+        payload = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": platform.processor(), **result}
+        payload["cpu_count"] = os.cpu_count()
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

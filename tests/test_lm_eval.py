@@ -231,9 +231,10 @@ def test_the_cache_served_tokens(runs):
     assert pcm.engine().stats.prefill_tokens < 0.6 * fed
 
 
-def test_local_completions_against_prefixcache_serve_gives_the_in_process_scores(runs, model_dir, task_dir):
-    """lm-eval's OpenAI-style backend (echo + logprobs, token-id prompts) against ``prefixcache serve``: the same
-    log-likelihoods and greedy flags as the in-process model, and the server's cache serves the shared contexts."""
+def test_local_completions_against_prefixcache_serve_gives_the_in_process_results(runs, model_dir, task_dir):
+    """lm-eval's OpenAI-style backend against ``prefixcache serve``: log-likelihoods (echo + logprobs, token-id
+    prompts) and greedy flags equal the in-process model's, generate_until (stop strings) gives its generations,
+    and the server's cache serves the shared contexts."""
     from lm_eval.api.registry import get_model
     from serve_testutil import server_thread
 
@@ -252,12 +253,15 @@ def test_local_completions_against_prefixcache_serve_gives_the_in_process_scores
             add_bos_token=True,  # as hf's tokenizer does by default; the API backend leaves BOS out unless told
             max_retries=1,
         )
-        served = evaluate(api, task_dir, ["pc_mc"])
+        served = evaluate(api, task_dir, ["pc_mc", "pc_gen"])
     pairs = loglik_pairs(runs["pc"], served, "pc_mc")
     assert len(pairs) == 8 * 4
     for args, (ll_a, greedy_a), (ll_b, greedy_b) in pairs:
         assert abs(ll_a - ll_b) <= TOL, args
         assert greedy_a == greedy_b, args
+    in_process, over_http = runs["pc"]["samples"]["pc_gen"], served["samples"]["pc_gen"]
+    assert len(over_http) == 6
+    assert [x["resps"] for x in over_http] == [x["resps"] for x in in_process]
     stats = pcm.cache_stats()
     assert stats["cached_tokens"] > 0.5 * stats["prompt_tokens"]  # choices share their item's context
     pcm.cache.check_integrity()

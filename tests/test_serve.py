@@ -248,7 +248,50 @@ def test_without_the_engine_concurrent_requests_form_one_batch_with_unchanged_ou
         # what only the engine does is refused, not ignored
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a", "seed": 3}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a", "stop": "x"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
         _idle(backend, pcm)
+
+
+def _stop_case(model, tok) -> tuple[list[int], str, str, int]:
+    """A prompt, a one-character stop string in its greedy reply (ASCII, first seen at character p >= 1), the text
+    before it, and the tokens generated until the decoded reply first held it (all from the bare model)."""
+    for k in range(8):
+        ids = list(tok(f"stop strings {k}").input_ids)
+        free = bare_greedy(model, ids, 24)
+        text = tok.decode(free, skip_special_tokens=True)
+        for p in range(1, len(text)):
+            c = text[p]
+            if c.isascii() and c.isprintable() and text.find(c) == p:
+                n = next(n for n in range(1, len(free) + 1) if c in tok.decode(free[:n], skip_special_tokens=True))
+                return ids, c, text[:p], n
+    raise AssertionError("no usable stop string in 8 greedy replies")
+
+
+def test_stop_strings_end_the_reply_before_them(srv, bare):
+    """OpenAI's ``stop``: the reply is the bare model's greedy text up to (not including) the first stop string,
+    finish_reason "stop", completion_tokens counting what was generated until the string appeared; the same in a
+    stream; the earliest of several wins; a stop string that never appears changes nothing."""
+    url, client, pcm, backend = srv
+    model, tok = bare
+    ids, stop, before, generated = _stop_case(model, tok)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == before
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == generated
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=stop, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == before
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    full = tok.decode(bare_greedy(model, ids, 24), skip_special_tokens=True)
+    later = full[len(before) + 1 :][:2]
+    if later and full.find(later) > len(before):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=[later, stop])
+        assert r.choices[0].text == before
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=["never \u2603 here"])
+    assert r.choices[0].text == full
+    _idle(backend, pcm)
 
 
 def _bare_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -369,7 +412,7 @@ BAD_REQUESTS = {
     "token id outside the vocabulary": ("completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt", None),
     "empty salt": ("completions", {"model": MODEL, "prompt": "a", "cache_salt": ""}, 400, "cache_salt", None),
     "n > 1": ("completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", None),
-    "stop strings": ("completions", {"model": MODEL, "prompt": "a", "stop": ["."]}, 400, "stop", None),
+    "an empty stop string": ("completions", {"model": MODEL, "prompt": "a", "stop": ["x", ""]}, 400, "stop", None),
     "logprobs above 5": ("completions", {"model": MODEL, "prompt": "a", "logprobs": 6}, 400, "logprobs", None),
     "echo with stream": (
         "completions",

@@ -286,6 +286,8 @@ class Engine:
         assert p is not None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
             return "stop"
+        if req.stop_check is not None and req.stop_check(req.output):
+            return "stop"
         if len(req.output) >= p.max_tokens:
             return "length"
         return None

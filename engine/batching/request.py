@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +68,7 @@ class Request:
     top_logprobs: int = 0  # also the top-n alternatives at each scored position
     use_logprob_store: bool = False  # match the whole prompt; scored log-probs of cached blocks come from the store
     sample_logprobs: int | None = None  # log-probs of each generated token (and its top-n alternatives)
+    stop_check: Callable[[list[int]], bool] | None = None  # a stop rule over the output (stop strings), per token
     arrival: float = field(default_factory=time.monotonic)
     # ---- engine state ----
     status: Status = Status.WAITING

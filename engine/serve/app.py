@@ -36,6 +36,7 @@ from engine.serve.protocol import (
     usage,
 )
 from engine.serve.response_logprobs import chat_logprobs, completion_logprobs
+from engine.serve.stop_strings import cut, visible
 from prefixcache.core.config import DEFAULT_NAMESPACE
 
 R = TypeVar("R", bound=pydantic.BaseModel)
@@ -156,10 +157,12 @@ def _finish_reason(f: Finished) -> str:
 
 
 class _Detokenizer:
-    """Text deltas of a growing token list: holds back an incomplete UTF-8 character at the end."""
+    """Text deltas of a growing token list: holds back an incomplete UTF-8 character at the end and, with
+    ``stops``, the tail that could still become a stop string (the text ends before a stop string)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stops = stops
         self.ids: list[int] = []
         self.emitted = ""
 
@@ -168,13 +171,16 @@ class _Detokenizer:
         text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""
-        delta, self.emitted = text[len(self.emitted) :], text
-        return delta
+        return self._emit(visible(text, self.stops, final=False) if self.stops else text)
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted = text
+        text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._emit(cut(text, self.stops) if self.stops else text)
+
+    def _emit(self, text: str) -> str:
+        if not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted) :], text
         return delta
 
 
@@ -253,6 +259,7 @@ class _Serving:
         top_p = 1.0 if body.top_p is None else body.top_p
         top_k = 0 if body.top_k is None or body.top_k < 0 else body.top_k
         stop_ids = tuple(body.stop_token_ids or ())
+        stops = body.stop_strings()
         bad = next((t for t in stop_ids if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"stop_token_ids holds {bad}, not an id of the vocabulary", param="stop_token_ids")
@@ -282,6 +289,7 @@ class _Serving:
                     body.ignore_eos,
                     prompt_lp,
                     sample_lp if max_tokens else None,
+                    stops,
                 )
             )
         return calls
@@ -355,6 +363,8 @@ class _Serving:
         """A choice's text: the generated text, after the prompt's when the call echoes it."""
         decode = self.info.tokenizer.decode
         text: str = decode(ids, skip_special_tokens=True)
+        if call.stop:
+            text = cut(text, call.stop)
         if call.prompt_logprobs is not None:
             text = decode(list(call.prompt), skip_special_tokens=True) + text
         return text
@@ -384,7 +394,7 @@ class _Serving:
             chunk.update(choices=choices, **extra)
             return f"data: {json.dumps(chunk)}\n\n"
 
-        detok = _Detokenizer(self.info.tokenizer)
+        detok = _Detokenizer(self.info.tokenizer, call.stop)
         first = True
         try:
             async with aclosing(self.backend.stream(call)) as items:

@@ -24,6 +24,7 @@ from engine.batching.request import Finished as EngineFinished
 from engine.batching.request import Request
 from engine.batching.sampling import SamplingParams
 from engine.serve.protocol import Finished, GenerateCall, PromptLogprobs, StreamItem
+from engine.serve.stop_strings import StopStrings
 
 T = TypeVar("T")
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often anyway (to notice stop())
@@ -70,8 +71,11 @@ def _deliver(items: list[tuple[_CallSink, Any]]) -> None:
         sink.out.put_nowait(item)
 
 
-def request_for(call: GenerateCall, namespace: str, sink: Any) -> Request:
-    """The engine request of an app call (``namespace``: the cache namespace, fingerprint included)."""
+def request_for(
+    call: GenerateCall, namespace: str, sink: Any, decode: Callable[[list[int]], str] | None = None
+) -> Request:
+    """The engine request of an app call (``namespace``: the cache namespace, fingerprint included; ``decode``:
+    token ids to reply text, needed for the call's stop strings)."""
     params = None  # max_tokens 0: score the prompt only
     if call.max_tokens:
         params = SamplingParams(
@@ -90,6 +94,10 @@ def request_for(call: GenerateCall, namespace: str, sink: Any) -> Request:
         req.use_logprob_store = True
     if call.logprobs is not None:
         req.sample_logprobs = call.logprobs
+    if call.stop and params is not None:
+        if decode is None:
+            raise ValueError("a call with stop strings needs a decode function (the model's tokenizer)")
+        req.stop_check = StopStrings(call.stop, decode)
     return req
 
 
@@ -106,6 +114,10 @@ class EngineLoop:
         self._closing = False
         self._buffer: list[tuple[_CallSink, Any]] = []
         self._cache_stats: dict[str, Any] = pcm.cache_stats()
+        tokenizer = getattr(pcm, "tokenizer", None)
+        self._decode: Callable[[list[int]], str] | None = None
+        if tokenizer is not None:
+            self._decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -171,7 +183,7 @@ class EngineLoop:
             raise RuntimeError("the engine loop is not running")
         out: asyncio.Queue[Any] = asyncio.Queue()
         sink = _CallSink(asyncio.get_running_loop(), out, self._buffer, call)
-        req = request_for(call, f"{self.pcm.fingerprint}:{call.namespace}", sink)
+        req = request_for(call, f"{self.pcm.fingerprint}:{call.namespace}", sink, self._decode)
         self.engine.submit(req)
         finished = False
         try:

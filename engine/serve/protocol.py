@@ -1,10 +1,10 @@
 """The OpenAI-compatible wire format: request models (pydantic, strict types), error objects, response bodies.
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type, and features this server does not
-implement (``n > 1``, ``stop`` strings, tools), are a 400 with an OpenAI-style error object
+implement (``n > 1``, tools), are a 400 with an OpenAI-style error object
 ``{"error": {"message", "type", "param", "code"}}``. Beside OpenAI's fields the server takes vLLM's ``top_k``,
-``stop_token_ids`` and ``ignore_eos``. Those, ``seed``, ``logprobs`` and ``echo`` need the engine: a model served
-by the batched-generate fallback refuses them (``engine=False`` below).
+``stop_token_ids`` and ``ignore_eos``. Those, ``stop`` strings, ``seed``, ``logprobs`` and ``echo`` need the
+engine: a model served by the batched-generate fallback refuses them (``engine=False`` below).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class _Request(BaseModel):
         whether the backend runs the engine (else it refuses what only the engine does)."""
         if self.n != 1:
             raise APIError(400, "n > 1 is not supported; send one request per completion", param="n")
-        if self.stop:
-            raise APIError(400, "stop strings are not supported; use stop_token_ids", param="stop")
+        if any(not s for s in self.stop_strings()):
+            raise APIError(400, "stop holds an empty string", param="stop")
         if not engine:
             for name in ("seed", "top_k", "stop_token_ids"):
                 if getattr(self, name) is not None:
@@ -91,10 +91,20 @@ class _Request(BaseModel):
                 raise APIError(
                     400, "ignore_eos is not supported for this model (it runs without the engine)", param="ignore_eos"
                 )
+            if self.stop_strings():
+                raise APIError(
+                    400, "stop strings are not supported for this model (it runs without the engine)", param="stop"
+                )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         if self.max_tokens == 0 and not getattr(self, "echo", False):
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo: true)", param="max_tokens")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (a string is one stop string; null or [] none)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def _check_logprobs(self, wanted: bool, engine: bool, param: str) -> None:
         if not wanted:
@@ -210,6 +220,7 @@ class GenerateCall:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # log-probs of every prompt token, with this many alternatives
     logprobs: int | None = None  # log-probs of every generated token, with this many alternatives
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first of them (the engine stops there)
 
     @property
     def sampling(self) -> tuple[float, float]:

@@ -388,6 +388,9 @@ def main() -> None:
     ap.add_argument("--max-step-tokens", type=int, default=None, help="prefixcache engine step budget")
     ap.add_argument("--max-gen-toks", type=int, default=10, help="short answers: tokens generated at most")
     ap.add_argument(
+        "--commit-continuations", action="store_true", help="prefixcache also caches the scored continuations"
+    )
+    ap.add_argument(
         "--batch-size",
         type=int,
         default=1,
@@ -432,7 +435,11 @@ def main() -> None:
         if "hf" in models:
             lms["hf"] = HFLM(**common)
         if "prefixcache" in models:
-            extra = {"block_size": args.block_size, "max_step_tokens": args.max_step_tokens}
+            extra = {
+                "block_size": args.block_size,
+                "max_step_tokens": args.max_step_tokens,
+                "commit_continuations": args.commit_continuations,
+            }
             lms["prefixcache"] = PrefixCacheLM(
                 **common, max_cached_tokens=args.max_cached_tokens, **{k: v for k, v in extra.items() if v}
             )

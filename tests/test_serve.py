@@ -253,19 +253,21 @@ def test_without_the_engine_concurrent_requests_form_one_batch_with_unchanged_ou
         _idle(backend, pcm)
 
 
-def _stop_case(model, tok) -> tuple[list[int], str, str, int]:
-    """A prompt, a one-character stop string in its greedy reply (ASCII, first seen at character p >= 1), the text
-    before it, and the tokens generated until the decoded reply first held it (all from the bare model)."""
-    for k in range(8):
+def _stop_case(model, tok) -> tuple[list[int], str, str, str, int]:
+    """A prompt and its bare greedy reply's text with two one-character stop strings in it (ASCII, first seen at
+    characters 1 <= p < q); the first, the second, and the tokens generated until the decoded reply first held the
+    first."""
+    for k in range(16):
         ids = list(tok(f"stop strings {k}").input_ids)
         free = bare_greedy(model, ids, 24)
         text = tok.decode(free, skip_special_tokens=True)
-        for p in range(1, len(text)):
-            c = text[p]
-            if c.isascii() and c.isprintable() and text.find(c) == p:
-                n = next(n for n in range(1, len(free) + 1) if c in tok.decode(free[:n], skip_special_tokens=True))
-                return ids, c, text[:p], n
-    raise AssertionError("no usable stop string in 8 greedy replies")
+        firsts = [p for p in range(1, len(text)) if text[p].isascii() and text[p].isprintable()]
+        firsts = [p for p in firsts if text.find(text[p]) == p]
+        if len(firsts) >= 2:
+            c = text[firsts[0]]
+            n = next(n for n in range(1, len(free) + 1) if c in tok.decode(free[:n], skip_special_tokens=True))
+            return ids, text, c, text[firsts[1]], n
+    raise AssertionError("no two usable stop strings in 16 greedy replies")
 
 
 def test_stop_strings_end_the_reply_before_them(srv, bare):
@@ -274,7 +276,8 @@ def test_stop_strings_end_the_reply_before_them(srv, bare):
     stream; the earliest of several wins; a stop string that never appears changes nothing."""
     url, client, pcm, backend = srv
     model, tok = bare
-    ids, stop, before, generated = _stop_case(model, tok)
+    ids, full, stop, later, generated = _stop_case(model, tok)
+    before = full[: full.find(stop)]
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=[stop])
     assert r.choices[0].text == before
     assert r.choices[0].finish_reason == "stop"
@@ -284,11 +287,10 @@ def test_stop_strings_end_the_reply_before_them(srv, bare):
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == before
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    full = tok.decode(bare_greedy(model, ids, 24), skip_special_tokens=True)
-    later = full[len(before) + 1 :][:2]
-    if later and full.find(later) > len(before):
-        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=[later, stop])
-        assert r.choices[0].text == before
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=[later, stop])
+    assert r.choices[0].text == before
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=later)
+    assert r.choices[0].text == full[: full.find(later)]
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=["never \u2603 here"])
     assert r.choices[0].text == full
     _idle(backend, pcm)

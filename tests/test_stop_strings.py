@@ -35,11 +35,11 @@ def test_streaming_shows_only_what_the_final_reply_keeps(text, stops):
     final = brute_cut(text[:end], stops)
     shown = ""
     for n in range(end + 1):
-        now = visible(text[:n], stops, final=False)
+        now = visible(text[:n], stops)
         assert now.startswith(shown)  # never takes back what it showed
         assert final.startswith(now)  # never shows what the reply will not hold
         shown = now
-    assert visible(text[:end], stops, final=True) == final
+    assert cut(text[:end], stops) == final
 
 
 def test_the_check_decodes_the_output():

@@ -169,9 +169,9 @@ class _Detokenizer:
     def push(self, ids: list[int]) -> str:
         self.ids += ids
         text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+        if text.endswith("\ufffd"):
             return ""
-        return self._emit(visible(text, self.stops, final=False) if self.stops else text)
+        return self._emit(visible(text, self.stops) if self.stops else text)
 
     def flush(self) -> str:
         text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)

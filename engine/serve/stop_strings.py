@@ -38,14 +38,12 @@ def cut(text: str, stops: Sequence[str]) -> str:
     return text if at is None else text[:at]
 
 
-def visible(text: str, stops: Sequence[str], final: bool) -> str:
-    """What of a growing ``text`` may be shown now: cut at a stop string; otherwise, unless ``final``, without the
-    longest tail that is the start of a stop string (the next tokens may complete it)."""
+def visible(text: str, stops: Sequence[str]) -> str:
+    """What of a growing ``text`` may be shown before it ends: cut at a stop string; otherwise without the longest
+    tail that is the start of a stop string (the next tokens may complete it). The end is shown with ``cut``."""
     at = find(text, stops)
     if at is not None:
         return text[:at]
-    if final:
-        return text
     hold = 0
     for s in stops:
         for n in range(min(len(s) - 1, len(text)), hold, -1):

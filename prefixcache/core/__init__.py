@@ -16,6 +16,7 @@ from prefixcache.core.events import BlocksRemoved, BlocksStored, CacheCleared, C
 from prefixcache.core.eviction import POLICIES
 from prefixcache.core.hashing import block_keys
 from prefixcache.core.stats import CacheStats
+from prefixcache.core.tier import TierIndex, TierStats
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -34,5 +35,7 @@ __all__ = [
     "OutOfBlocks",
     "PrefixCache",
     "RequestHandle",
+    "TierIndex",
+    "TierStats",
     "block_keys",
 ]

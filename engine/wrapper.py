@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -40,8 +41,12 @@ from engine.batching.engine import Engine
 from engine.batching.scheduler import SchedulerConfig
 from engine.kv_pool import KVPool, bytes_per_token
 from engine.models import context_length
+from engine.tier import KVTier, TierBinding, open_tier
+from engine.tier.kv_tier import block_tokens, extend_keys, write_rows
+from engine.tier.open import binding_for
 from engine.weights import WeightsSnapshot, describe_change
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.core import MatchResult
 from prefixcache.core.hashing import BlockHasher, as_token_array
 from prefixcache.sim.causes import Fork, LiveCauses, LiveRequest
 from prefixcache.sim.results import CAUSE_FIELDS
@@ -72,6 +77,7 @@ class RowStats:
     shared_tokens: int | None = None
     shared_with: int | None = None
     divergence: Fork | None = None  # with diverged tokens: the tokens each side of where it departs
+    tier_tokens: int = 0  # of ``cached_tokens``, served by the second tier (disk or shared)
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,9 @@ class PrefixCachedModel:
         hasher: BlockHasher | None = None,
         engine_config: SchedulerConfig | None = None,
         fast_linear: bool | None = None,
+        disk_cache: str | os.PathLike | None = None,
+        max_disk_bytes: int | str | None = None,
+        shared_cache: str | None = None,
     ) -> None:
         if on_unsupported not in ("error", "passthrough"):
             raise ValueError(f"on_unsupported must be 'error' or 'passthrough', got {on_unsupported!r}")
@@ -167,6 +176,7 @@ class PrefixCachedModel:
         self.last_request_stats: tuple[RowStats, ...] = ()
         self.last_uncached_reason: str | None = None
         self.uncached_calls = 0
+        self.tier: KVTier | None = None
         self._slot = EngineSlot(engine_config, fast_linear)
         self.unsupported_reason = hf_cache.unsupported_reason(model)
         if self.unsupported_reason is not None and on_unsupported == "error":
@@ -212,6 +222,11 @@ class PrefixCachedModel:
             )
         self.pool = KVPool(specs, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self._specs = specs
+        if disk_cache is not None or shared_cache is not None or max_disk_bytes is not None:
+            self.tier = open_tier(
+                self._binding(), disk_cache=disk_cache, max_disk_bytes=max_disk_bytes, shared_cache=shared_cache
+            )
+            self._slot.tier = self.tier
         self._causes = LiveCauses(block_size, HISTORY_FACTOR * num_blocks * block_size)
         self._weights = WeightsSnapshot.take(model)
 
@@ -279,6 +294,8 @@ class PrefixCachedModel:
         self._slot.reset()
         self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
         self.fingerprint = _fingerprint(model)
+        if self.tier is not None:
+            self.tier.rebind(self._binding())
 
     def _follow_weights(self) -> None:
         """Drop the cache (keeping the counters) with a StaleCacheWarning when the model's parameters or buffers
@@ -290,6 +307,8 @@ class PrefixCachedModel:
             return
         blocks = self.cache.num_cached_blocks
         self._drop_cache()
+        if self.tier is not None:
+            self.tier.rebind(self._binding())
         if blocks:
             warnings.warn(
                 f"PrefixCachedModel: the model's weights changed since the cache was filled ({what}); "
@@ -308,6 +327,39 @@ class PrefixCachedModel:
         self.cache.reset(keep_stats=keep_stats)
         self._causes.reset()
         self._epoch += 1
+
+    def _binding(self) -> TierBinding:
+        """What this wrapper's tier entries are bound to (model, weights, dtype, block size, hash seed)."""
+        return binding_for(self.model, self.fingerprint, self._specs, self.block_size, self.cache.config.hash_seed)
+
+    def close(self) -> None:
+        """Finish the tier's queued writes and close its store (the pool stays usable; the tier is gone)."""
+        with self._lock:
+            tier, self.tier = self.tier, None
+            self._slot.tier = None
+            self._slot.reset()
+        if tier is not None:
+            tier.close()
+
+    def _tier_extend(self, m: MatchResult, ids: Any, namespace: str) -> tuple[MatchResult, int]:
+        """Continue ``m`` (a pinned match of the prompt ``ids``) along its chained block keys in the tier: the
+        blocks found there are committed to the pool and their K/V written into it (``prefixcache.core.tier``'s
+        protocol). Returns the extended match and the blocks the tier served."""
+        tier, bs = self.tier, self.block_size
+        assert tier is not None
+        p, limit = m.cached_blocks, (len(ids) - 1) // bs
+        keys: list[bytes] = []
+        extend_keys(keys, ids, namespace, bs, self.cache.config.hash_seed, limit)
+        t = tier.lookup(keys, p, limit)
+        if t == 0:
+            return m, 0
+        rows = tier.fetch(keys[p : p + t], block_tokens(ids, bs, p, p + t))
+        if len(rows) == 0:
+            return m, 0
+        res = self.cache.commit(m.handle, ids[: (p + len(rows)) * bs])
+        got = len(res.block_ids)
+        write_rows(self._pool, rows[:got], res.block_ids, tier.binding)
+        return MatchResult(m.handle, (p + got) * bs, p + got, (*m._runs, res._new)), got
 
     @property
     def _pool(self) -> KVPool:
@@ -342,6 +394,9 @@ class PrefixCachedModel:
                 uncached_calls=self.uncached_calls,
                 active_requests=self.cache.num_active_requests,
             )
+            if self.tier is not None:
+                d.update(self.tier.stats())
+                d["tier_cached_tokens"] = d.get("tier_hit_blocks", 0) * self.block_size
             return d
 
     def probe(self, tokens: Any, namespace: str = "default") -> int:
@@ -669,11 +724,14 @@ class PrefixCachedModel:
         handles = []
         epoch = self._epoch
         try:
-            matches, live = [], []
+            matches, live, tiered = [], [], []
             for row, namespace in zip(rows, namespaces):
                 ids = as_token_array(row.detach().cpu())
                 matches.append(self.cache.match(ids, namespace))
                 handles.append(matches[-1].handle)
+                tiered.append(0)
+                if self.tier is not None:
+                    matches[-1], tiered[-1] = self._tier_extend(matches[-1], ids, namespace)
                 live.append(self._causes.request(ids, namespace, matches[-1].cached_tokens))
             ready = matches[0].cached_tokens if batch == 1 else width - 1
             bufs = self._pool.buffers(batch * copies, width + self._new_tokens_bound(gc, kwargs, width))
@@ -692,8 +750,8 @@ class PrefixCachedModel:
             if self._epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
                 inserted = self._commit_or_drop(out, cache, matches, pads, width, gc, live)
             self.last_request_stats = tuple(
-                RowStats(len(row), m.cached_tokens, n, *lr.causes[:6], *lr.causes[7:], lr.fork)
-                for row, m, n, lr in zip(rows, matches, inserted, live)
+                RowStats(len(row), m.cached_tokens, n, *lr.causes[:6], *lr.causes[7:], lr.fork, t * self.block_size)
+                for row, m, n, lr, t in zip(rows, matches, inserted, live, tiered)
             )
             return out
         finally:
@@ -786,7 +844,17 @@ class PrefixCachedModel:
                 end = start + len(res.block_ids) * self.block_size
                 self._pool.scatter(res.block_ids, hf_cache.read_kv(cache, start, end, row=i))
                 inserted[r] += len(res.block_ids)
+                if self.tier is not None:
+                    self._tier_save(matches[r].handle.namespace, committed, res.first_block, res.block_ids)
         return inserted
+
+    def _tier_save(self, namespace: str, tokens: Any, first: int, block_ids: Sequence[int]) -> None:
+        """Write through: hand the blocks ``first..`` of ``tokens`` just committed (pool ``block_ids``) to the tier."""
+        assert self.tier is not None
+        bs, stop = self.block_size, first + len(block_ids)
+        keys: list[bytes] = []
+        extend_keys(keys, tokens, namespace, bs, self.cache.config.hash_seed, stop)
+        self.tier.save(self._pool, keys[first:stop], block_tokens(tokens, bs, first, stop), block_ids)
 
     def _new_tokens_bound(self, gc, kwargs: dict, prompt_len: int) -> int:
         """Tokens generate may append after the prompt, as far as worth reserving room for."""

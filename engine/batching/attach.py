@@ -26,6 +26,7 @@ class EngineSlot:
         self.fast_linear = fast_linear
         self.engine: Engine | None = None
         self.reason: str | None = None
+        self.tier: Any = None  # the wrapper's KVTier, handed to the engine
         self._linears: Any = None
 
     def get(self, pcm: Any) -> Engine | None:
@@ -48,7 +49,15 @@ class EngineSlot:
         gc = model.generation_config
         eos = gc.eos_token_id
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        self.engine = Engine(model, cache, pool, config=self.config, eos_token_ids=eos_ids, linears=self._packed(model))
+        self.engine = Engine(
+            model,
+            cache,
+            pool,
+            config=self.config,
+            eos_token_ids=eos_ids,
+            linears=self._packed(model),
+            tier=self.tier,
+        )
         return self.engine
 
     def _packed(self, model: Any) -> Any:

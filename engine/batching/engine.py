@@ -34,7 +34,8 @@ from engine.batching.scheduler import Plan, Scheduler, SchedulerConfig
 from engine.kv_pool import KVPool
 from engine.paged.attention import Row
 from engine.paged.runner import PagedRunner
-from prefixcache.core.cache import PrefixCache
+from engine.tier.kv_tier import KVTier, block_tokens, extend_keys, write_rows
+from prefixcache.core.cache import OutOfBlocks, PrefixCache
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         use_kernel: bool = True,
         linears: Any = None,
+        tier: KVTier | None = None,
     ) -> None:
         if cache.block_size != pool.block_size or cache.num_blocks != pool.num_blocks:
             raise ValueError("the cache and the pool disagree on block size or number of blocks")
@@ -83,6 +85,7 @@ class Engine:
         self.eos = frozenset(eos_token_ids)
         self.runner = PagedRunner(model, pool, use_kernel=use_kernel)
         self.linears = linears  # PackedLinears or None
+        self.tier = tier  # the second tier below the pool, or None
         self.scheduler = Scheduler(cache, self.config, self._preempt, self._admitted)
         self.logprob_store = PromptLogprobStore(cache.block_size, pool.num_blocks, cache.config.hash_seed)
         self.stats = EngineStats()
@@ -255,9 +258,13 @@ class Engine:
                 req.top.append(dict(zip(i, v)))
 
     def _admitted(self, req: Request) -> None:
-        """The scheduler matched ``req`` (``computed`` = its cached tokens): for a request that takes its cached
-        tokens' log-probs from the store, take them, and rewind to the first position the store lacks (those
-        positions are recomputed for their logits; their K/V stay where they are)."""
+        """The scheduler matched ``req`` (``computed`` = its cached tokens): continue the match in the tier (its
+        blocks are loaded into own blocks and committed); for a request that takes its cached tokens' log-probs
+        from the store, take them, and rewind to the first position the store lacks (those positions are
+        recomputed for their logits; their K/V stay where they are)."""
+        req.tier_tokens = 0
+        if self.tier is not None and not req.use_logprob_store:
+            self._from_tier(req)
         req.fresh_from = req.computed
         if not (req.score_from and req.use_logprob_store) or req.logprobs:
             return
@@ -294,7 +301,8 @@ class Engine:
 
     # ---- blocks ------------------------------------------------------------------------------------------
     def _cache_blocks(self, req: Request) -> None:
-        """Put ``req``'s newly completed full blocks (up to its commit limit) into the tree by id."""
+        """Put ``req``'s newly completed full blocks (up to its commit limit) into the tree by id (and, written
+        through, into the tier)."""
         bs = self.cache.block_size
         full = min(req.computed, req.commit_limit) // bs
         if full <= req.committed or req.handle is None:
@@ -302,6 +310,38 @@ class Engine:
         res = self.cache.commit_blocks(req.handle, req.tokens[: full * bs], req.table)
         req.table[: len(res.table)] = res.table
         req.committed = len(res.table)
+        if self.tier is not None and res.adopted:
+            stop = len(res.table)
+            start = stop - res.adopted
+            extend_keys(req.tier_keys, req.tokens, req.namespace, bs, self.cache.config.hash_seed, stop)
+            self.tier.save(
+                self.pool, req.tier_keys[start:stop], block_tokens(req.tokens, bs, start, stop), res.table[start:stop]
+            )
+
+    def _from_tier(self, req: Request) -> None:
+        """Load the blocks after ``req``'s match that the tier holds into own blocks and commit them (the protocol
+        of ``prefixcache.core.tier``); ``req.tier_tokens`` says how many tokens that served."""
+        tier, bs = self.tier, self.cache.block_size
+        assert tier is not None and req.handle is not None
+        p, limit = req.computed // bs, (req.cache_limit - 1) // bs
+        extend_keys(req.tier_keys, req.tokens, req.namespace, bs, self.cache.config.hash_seed, limit)
+        t = tier.lookup(req.tier_keys, p, limit)
+        if t == 0:
+            return
+        rows = tier.fetch(req.tier_keys[p : p + t], block_tokens(req.tokens, bs, p, p + t))
+        if len(rows) == 0:
+            return
+        try:
+            ids = self.cache.allocate(req.handle, len(rows))
+        except OutOfBlocks:
+            return
+        write_rows(self.pool, rows, ids, tier.binding)
+        req.table.extend(ids)
+        res = self.cache.commit_blocks(req.handle, req.tokens[: (p + len(ids)) * bs], req.table)
+        req.table[: len(res.table)] = res.table
+        req.committed = len(res.table)
+        req.computed = req.committed * bs
+        req.tier_tokens = req.computed - p * bs
 
     def _preempt(self, req: Request) -> None:
         """The scheduler's preemption: cache the computed full blocks, release, back to waiting."""

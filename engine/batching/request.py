@@ -77,7 +77,9 @@ class Request:
     table: list[int] = field(default_factory=list)  # pool block of every block of tokens with KV (or to come)
     computed: int = 0  # leading tokens whose K/V is in the pool
     committed: int = 0  # leading full blocks in the tree (by id: table[:committed] are the tree's)
-    cached_tokens: int = -1  # served from cache at first admission (-1: not yet admitted)
+    cached_tokens: int = -1  # served from cache at first admission, the tier's included (-1: not yet admitted)
+    tier_tokens: int = 0  # of those served at the last admission, the tier's
+    tier_keys: list[bytes] = field(default_factory=list, repr=False)  # chained block keys computed so far
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     greedy: list[bool] = field(default_factory=list)

@@ -180,9 +180,9 @@ class Scheduler:
         req.table = list(m.block_ids)
         req.computed = m.cached_tokens
         req.committed = m.cached_blocks
+        self._admitted(req)  # may load blocks from the tier (req.tier_tokens)
         if req.cached_tokens < 0:
-            req.cached_tokens = m.cached_tokens
-        self._admitted(req)
+            req.cached_tokens = m.cached_tokens + req.tier_tokens
         n = 1 if req.remaining == 1 else min(req.remaining, self.config.max_chunk_tokens, budget)
         try:
             req.table.extend(self.cache.allocate(m.handle, self._blocks_needed(req, n)))

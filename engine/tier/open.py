@@ -1,0 +1,91 @@
+"""Making the tier of a wrapped model: the binding (what computed the KV) and the store from the user's options."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import torch
+import xxhash
+
+from engine.tier.entry import TierBinding, layers_of
+from engine.tier.kv_tier import KVTier
+from engine.tier.lmdb_store import LmdbStore, StoreError
+from engine.tier.redis_store import RedisStore
+from engine.weights import module_tensors
+
+DEFAULT_DISK_BYTES = 8 << 30  # a disk tier's budget when none is given
+WEIGHT_SAMPLES = 64  # elements of each tensor hashed into the binding
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(value: Any, where: str = "size") -> int:
+    """A size in bytes: an int > 0 or a string like ``50G``, ``512MiB``, ``1.5T`` (K, M, G, T are powers of
+    1024). Raises ValueError naming ``where``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: expected a size in bytes such as 50G, got {value!r}")
+    if isinstance(value, int):
+        number = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9][0-9_,]*(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", str(value).lower())
+        if m is None:
+            raise ValueError(f"{where}: expected a size in bytes such as 50G or 512M, got {value!r}")
+        number = float(m.group(1).replace("_", "").replace(",", "")) * _UNITS[m.group(2)]
+    if not math.isfinite(number) or number < 1:
+        raise ValueError(f"{where}: must be at least 1 byte, got {value!r}")
+    return int(number)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of the model's tensors: names, shapes, dtypes and ``WEIGHT_SAMPLES`` evenly spaced values of
+    each (other weights give other KV, so other entries). Changes nothing."""
+    h = xxhash.xxh3_128()
+    with torch.no_grad():
+        for name, t in module_tensors(model, named=True):
+            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+            n = t.numel()
+            if n:
+                flat = t.detach().reshape(-1)
+                idx = torch.linspace(0, n - 1, min(n, WEIGHT_SAMPLES), device=flat.device).long()
+                h.update(flat[idx].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def binding_for(model: Any, fingerprint: str, specs: Any, block_size: int, hash_seed: int) -> TierBinding:
+    """The binding of a wrapped model's tier."""
+    item = torch.empty((), dtype=model.dtype).element_size()
+    return TierBinding(
+        fingerprint, weights_digest(model), str(model.dtype), item, block_size, hash_seed, layers_of(specs)
+    )
+
+
+def open_tier(
+    binding: TierBinding,
+    *,
+    disk_cache: str | os.PathLike | None = None,
+    max_disk_bytes: int | str | None = None,
+    shared_cache: str | None = None,
+) -> KVTier | None:
+    """The tier the options ask for (None when neither ``disk_cache`` nor ``shared_cache`` is given). One store
+    per pool: a disk directory or a Redis URL. Raises ValueError / StoreError with what was wrong."""
+    if disk_cache is not None and shared_cache is not None:
+        raise ValueError("give disk_cache or shared_cache, not both (one tier below the pool)")
+    if disk_cache is None and shared_cache is None:
+        if max_disk_bytes is not None:
+            raise ValueError("max_disk_bytes needs disk_cache (the directory of the disk tier)")
+        return None
+    if shared_cache is not None:
+        return KVTier(RedisStore(shared_cache), binding, None)
+    assert disk_cache is not None
+    budget = DEFAULT_DISK_BYTES if max_disk_bytes is None else parse_bytes(max_disk_bytes, "max_disk_bytes")
+    if budget < binding.entry_bytes:
+        raise ValueError(
+            f"max_disk_bytes={budget:,} holds no block (one entry is {binding.entry_bytes:,} bytes); raise it"
+        )
+    store = LmdbStore(os.fspath(disk_cache), budget)
+    return KVTier(store, binding, store.max_bytes // binding.entry_bytes)
+
+
+__all__ = ["DEFAULT_DISK_BYTES", "StoreError", "binding_for", "open_tier", "parse_bytes", "weights_digest"]

@@ -26,6 +26,17 @@ class ServeConfig:
     max_step_tokens: int | None = None  # None: SchedulerConfig's defaults
     max_chunk_tokens: int | None = None
     max_running: int | None = None
+    disk_cache: str | None = None  # the directory of a disk tier below the pool (None: none)
+    disk_cache_size: str | None = None  # its budget, e.g. "50G" (None: the default)
+    shared_cache: str | None = None  # a Redis URL: a tier shared by every process pointing at it
+
+    def tier_options(self) -> dict:
+        """The wrapper's tier arguments."""
+        return {
+            "disk_cache": self.disk_cache,
+            "max_disk_bytes": self.disk_cache_size,
+            "shared_cache": self.shared_cache,
+        }
 
     def engine_config(self):  # -> SchedulerConfig (imported here: the engine needs torch)
         """The engine's scheduler settings."""
@@ -58,6 +69,7 @@ def run_local(cfg: ServeConfig) -> int:
         block_size=cfg.block_size,
         seed=cfg.seed,
         engine_config=cfg.engine_config(),
+        **cfg.tier_options(),
     )
     backend = LocalBackend(
         pcm,

@@ -83,13 +83,25 @@ def describe_model(model: str) -> ModelInfo:
 
 
 def load_wrapped(
-    model: str, *, max_cached_tokens: int | None, block_size: int, seed: int = 0, engine_config: Any = None
+    model: str,
+    *,
+    max_cached_tokens: int | None,
+    block_size: int,
+    seed: int = 0,
+    engine_config: Any = None,
+    **tier: Any,
 ) -> Any:
-    """A ``PrefixCachedModel`` of a preset name or a local model directory, with ``.tokenizer``."""
+    """A ``PrefixCachedModel`` of a preset name or a local model directory, with ``.tokenizer``; ``tier``: the
+    wrapper's ``disk_cache`` / ``max_disk_bytes`` / ``shared_cache``."""
     from engine import PrefixCachedModel
 
     return PrefixCachedModel.from_pretrained(
-        model, seed=seed, max_cached_tokens=max_cached_tokens, block_size=block_size, engine_config=engine_config
+        model,
+        seed=seed,
+        max_cached_tokens=max_cached_tokens,
+        block_size=block_size,
+        engine_config=engine_config,
+        **tier,
     )
 
 

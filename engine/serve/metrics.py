@@ -49,6 +49,23 @@ _REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("prefixcache_engine_forward_seconds", "counter", "Of which: the model's forward", "forward_s"),
     ("prefixcache_engine_attention_seconds", "counter", "Of the forward: attention over the pool", "attention_s"),
     ("prefixcache_engine_finish_seconds", "counter", "Of which: sampling, streaming, caching blocks", "finish_s"),
+    # the second tier (disk or shared), when there is one
+    ("prefixcache_tier_hit_blocks", "counter", "Blocks served by the second tier", "tier_hit_blocks"),
+    ("prefixcache_tier_cached_tokens", "counter", "Prompt tokens served by the second tier", "tier_cached_tokens"),
+    ("prefixcache_tier_loaded_blocks", "counter", "Blocks read from the tier into the pool", "tier_loaded_blocks"),
+    ("prefixcache_tier_written_blocks", "counter", "Blocks written to the tier", "tier_written_blocks"),
+    ("prefixcache_tier_write_skipped", "counter", "Tier writes skipped (queue full, store down)", "tier_write_skipped"),
+    ("prefixcache_tier_write_errors", "counter", "Tier writes that failed (e.g. a full disk)", "tier_write_errors"),
+    ("prefixcache_tier_read_errors", "counter", "Tier lookups or reads that failed", "tier_read_errors"),
+    (
+        "prefixcache_tier_corrupt_blocks",
+        "counter",
+        "Tier entries refused (torn, corrupt, foreign)",
+        "tier_corrupt_blocks",
+    ),
+    ("prefixcache_tier_evicted_blocks", "counter", "Blocks evicted from the tier for room", "tier_evicted_blocks"),
+    ("prefixcache_tier_blocks", "gauge", "Blocks the local tier holds", "tier_blocks"),
+    ("prefixcache_tier_queued_bytes", "gauge", "K/V bytes waiting for the tier's writer", "tier_queued_bytes"),
     # the batched-generate fallback
     ("prefixcache_batches", "counter", "Batched generate calls run", "batches"),
     ("prefixcache_batch_rows", "counter", "Requests run in those batches", "batch_rows"),
@@ -113,5 +130,6 @@ def replica_figures(cache_stats: Mapping[str, Any], batcher_stats: Mapping[str, 
         blocks_capacity=cap,
         pool_occupancy=(cache_stats.get("blocks_used", 0) / cap) if cap else 0.0,
     )
+    figures.update({k: v for k, v in cache_stats.items() if k.startswith("tier_") and isinstance(v, (int, float))})
     figures.update(batcher_stats)
     return figures

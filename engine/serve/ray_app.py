@@ -106,6 +106,7 @@ class ModelReplica:
             block_size=cfg.block_size,
             seed=cfg.seed,
             engine_config=cfg.engine_config(),
+            **cfg.tier_options(),
         )
         self.replica = serve.get_replica_context().replica_id.unique_id
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)

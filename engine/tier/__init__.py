@@ -4,8 +4,9 @@ back into the pool by the chained block keys a match stops at. See ``engine.tier
 from engine.tier.entry import EntryError, TierBinding
 from engine.tier.kv_tier import KVTier, TierCounters, TierWarning
 from engine.tier.lmdb_store import LmdbStore, StoreError
-from engine.tier.open import open_tier, parse_bytes
+from engine.tier.open import open_tier
 from engine.tier.redis_store import RedisStore
+from prefixcache.core.checks import parse_bytes
 
 __all__ = [
     "EntryError",

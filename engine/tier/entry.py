@@ -1,6 +1,6 @@
 """One block's entry in a second-tier store: a fixed header, the block's token ids, its K/V bytes.
 
-Header (little-endian, ``HEADER``): magic ``PCKV``, format version, the binding's 16-byte digest (what computed
+Header (little-endian, ``HEADER``): magic ``PCKV``, format version, flags (0), the binding's 16-byte digest (what computed
 the KV: model, weights, dtype, block size, hash seed, layer shapes; see ``TierBinding``), the block's 16-byte
 chained key, the token count, the K/V byte count, an xxh3_64 checksum over the token bytes and the K/V bytes,
 and a write stamp (ns since the epoch). ``decode`` checks every field against what the reader expects, so a
@@ -19,7 +19,7 @@ import xxhash
 
 MAGIC = b"PCKV"
 VERSION = 1
-HEADER = struct.Struct("<4sH2x16s16sIIQQ")  # magic, version, binding, key, tokens, kv bytes, checksum, stamp
+HEADER = struct.Struct("<4sHH16s16sIIQQ")  # magic, version, flags (0), binding, key, tokens, kv bytes, checksum, stamp
 TOKEN_BYTES = 4  # int32 token ids
 STAMP_BYTES = slice(HEADER.size - 8, HEADER.size)  # the write stamp within an entry
 
@@ -70,7 +70,7 @@ def checksum(tokens: bytes | memoryview, kv: bytes | memoryview) -> int:
 def encode(binding: bytes, key: bytes, tokens: bytes, kv: bytes | memoryview) -> bytes:
     """The entry of one block (``tokens``: its int32 token bytes; ``kv``: its K/V bytes)."""
     n = len(tokens) // TOKEN_BYTES
-    header = HEADER.pack(MAGIC, VERSION, binding, key, n, len(kv), checksum(tokens, kv), time.time_ns())
+    header = HEADER.pack(MAGIC, VERSION, 0, binding, key, n, len(kv), checksum(tokens, kv), time.time_ns())
     return b"".join((header, tokens, kv))
 
 
@@ -82,11 +82,11 @@ def decode(
     view = memoryview(raw)
     if len(view) < HEADER.size:
         raise EntryError(f"truncated: {len(view)} bytes, shorter than the {HEADER.size}-byte header")
-    magic, version, b, k, n, nkv, check, _stamp = HEADER.unpack_from(view)
+    magic, version, flags, b, k, n, nkv, check, _stamp = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise EntryError(f"not an entry (magic {bytes(magic)!r})")
-    if version != VERSION:
-        raise EntryError(f"format version {version}, this reader knows {VERSION}")
+    if version != VERSION or flags != 0:
+        raise EntryError(f"format version {version} (flags {flags}), this reader knows {VERSION} (flags 0)")
     if b != binding:
         raise EntryError("written for another model, dtype, block size or hash seed")
     if k != key:
@@ -109,7 +109,7 @@ def decode(
 def stamp(raw: bytes | memoryview) -> int:
     """The write stamp of an entry's header (0 when the header is unreadable)."""
     try:
-        return int(HEADER.unpack_from(raw)[7])
+        return int(HEADER.unpack_from(raw)[8])
     except struct.error:
         return 0
 

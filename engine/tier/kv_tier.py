@@ -133,7 +133,7 @@ class KVTier:
     def _failed(self, exc: BaseException, what: str) -> None:
         """Note a store failure: warn (once per kind of failure and outage); a shared tier is then not asked
         for RETRY_S."""
-        message = f"{what}: {exc}"
+        message = f"{what}: {exc}" if isinstance(exc, StoreError) else f"{what}: {type(exc).__name__}: {exc}"
         again = message == self.last_error and (not self.store.shared or not self._available())
         self.last_error = message
         if self.store.shared:

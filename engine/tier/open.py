@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from typing import Any
 
 import torch
@@ -15,27 +13,10 @@ from engine.tier.kv_tier import KVTier
 from engine.tier.lmdb_store import LmdbStore, StoreError
 from engine.tier.redis_store import RedisStore
 from engine.weights import module_tensors
+from prefixcache.core.checks import parse_bytes
 
 DEFAULT_DISK_BYTES = 8 << 30  # a disk tier's budget when none is given
 WEIGHT_SAMPLES = 64  # elements of each tensor hashed into the binding
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(value: Any, where: str = "size") -> int:
-    """A size in bytes: an int > 0 or a string like ``50G``, ``512MiB``, ``1.5T`` (K, M, G, T are powers of
-    1024). Raises ValueError naming ``where``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{where}: expected a size in bytes such as 50G, got {value!r}")
-    if isinstance(value, int):
-        number = float(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9][0-9_,]*(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", str(value).lower())
-        if m is None:
-            raise ValueError(f"{where}: expected a size in bytes such as 50G or 512M, got {value!r}")
-        number = float(m.group(1).replace("_", "").replace(",", "")) * _UNITS[m.group(2)]
-    if not math.isfinite(number) or number < 1:
-        raise ValueError(f"{where}: must be at least 1 byte, got {value!r}")
-    return int(number)
 
 
 def weights_digest(model: torch.nn.Module) -> str:

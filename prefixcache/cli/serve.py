@@ -7,6 +7,7 @@ import importlib
 import typer
 
 from prefixcache.cli import console
+from prefixcache.core.checks import parse_bytes
 
 EXIT_USAGE = 2
 _EXTRAS = {  # module -> the extra that installs it
@@ -69,6 +70,15 @@ def register(app: typer.Typer) -> None:
             256, "--default-max-tokens", min=1, help="Tokens a chat completion may generate when it names no limit."
         ),
         seed: int = typer.Option(0, "--seed", help="Weight seed of a built-in preset."),
+        disk_cache: str | None = typer.Option(
+            None, "--disk-cache", help="Directory of a disk tier below the pool (LMDB): evicted blocks stay there."
+        ),
+        disk_cache_size: str | None = typer.Option(
+            None, "--disk-cache-size", help="The disk tier's budget, e.g. 50G (K/M/G/T: powers of 1024; default 8G)."
+        ),
+        shared_cache: str | None = typer.Option(
+            None, "--shared-cache", help="Redis URL of a tier shared by every process pointing at it (redis://...)."
+        ),
         replicas: int = typer.Option(
             1, "--replicas", min=1, help="N >= 2: N Ray Serve replicas, prefix-aware routing."
         ),
@@ -130,7 +140,22 @@ def register(app: typer.Typer) -> None:
             max_step_tokens=max_step_tokens,
             max_chunk_tokens=max_chunk_tokens,
             max_running=max_running,
+            disk_cache=disk_cache,
+            disk_cache_size=disk_cache_size,
+            shared_cache=shared_cache,
         )
+        if disk_cache is not None and shared_cache is not None:
+            console.error("--disk-cache and --shared-cache: give one (one tier below the pool)")
+            raise typer.Exit(EXIT_USAGE)
+        if disk_cache_size is not None:
+            try:
+                parse_bytes(disk_cache_size, "--disk-cache-size")
+            except ValueError as exc:
+                console.error(str(exc))
+                raise typer.Exit(EXIT_USAGE) from None
+            if disk_cache is None:
+                console.error("--disk-cache-size needs --disk-cache DIR")
+                raise typer.Exit(EXIT_USAGE)
         try:
             if replicas == 1:
                 status = run_local(cfg)
@@ -143,6 +168,11 @@ def register(app: typer.Typer) -> None:
                 )
                 status = run_ray(cfg, rcfg)
         except ValueError as exc:  # a bad model name or size, found while loading
+            console.error(str(exc))
+            raise typer.Exit(EXIT_USAGE) from None
+        except RuntimeError as exc:  # a tier store that cannot be opened (engine.tier.StoreError)
+            if type(exc).__name__ != "StoreError":
+                raise
             console.error(str(exc))
             raise typer.Exit(EXIT_USAGE) from None
         raise typer.Exit(status)

@@ -17,8 +17,10 @@ same tokens in the next turn, as a real model's replies do.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,11 +124,15 @@ def replay(
     on_start: Callable[[Capacity, int], None] | None = None,
     on_row: Callable[[Row, Any], None] | None = None,
     sites: list[DivergenceSite] | None = None,
+    disk_cache: str | os.PathLike | None = None,
+    max_disk_bytes: int | str | None = None,
 ) -> tuple[list[RunResult], dict]:
     """Replay ``scenario`` once per capacity through ``model`` (preset or local path; or ``loaded`` =
     (model, tokenizer)). Returns the per-capacity results and facts about the model for the run record; rows
     carry their miss causes (from the wrapper's ``last_request_stats``). ``sites``, when given, receives the
     run's top divergence points (they do not depend on the capacity; read from the first one).
+    ``disk_cache``: a disk tier below each capacity's pool, in its own subdirectory ``pool-<capacity>`` (entries
+    already there are served: a warm start), with ``max_disk_bytes`` each.
 
     A KeyboardInterrupt stops the replay; what ran comes back with ``partial=True`` (pins are always released).
     """
@@ -163,7 +169,12 @@ def replay(
         nb = unl if cap.blocks is None else min(cap.blocks, unl)
         if on_start is not None:
             on_start(cap, len(scenario))
-        pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size, eviction=eviction)
+        tier: dict[str, Any] = {}
+        if disk_cache is not None:
+            tier = {"disk_cache": Path(disk_cache) / f"pool-{cap.label(block_size)}", "max_disk_bytes": max_disk_bytes}
+        pcm = PrefixCachedModel(
+            hf_model, max_cached_tokens=nb * block_size, block_size=block_size, eviction=eviction, **tier
+        )
         res = _replay_one(
             scenario,
             pcm,
@@ -182,6 +193,11 @@ def replay(
             forks if not results else None,
         )
         results.append(res)
+        if pcm.tier is not None:
+            info.setdefault("tier", {})[cap.label(block_size)] = {
+                k: v for k, v in pcm.cache_stats().items() if k.startswith("tier_")
+            }
+        pcm.close()
         del pcm
         if res.partial:
             break

@@ -11,6 +11,7 @@ from prefixcache.cli import options as opt
 from prefixcache.cli.app import UsageError, app, user_errors
 from prefixcache.cli.console import run_progress
 from prefixcache.cli.outputs import write_run
+from prefixcache.core.checks import parse_bytes
 from prefixcache.reports.record import build_record
 from prefixcache.sim.diagnosis import DivergenceSite
 from prefixcache.sim.results import RunResult
@@ -48,6 +49,13 @@ def replay(
     device: Annotated[
         str | None, typer.Option("--device", help="cpu (default), cuda, cuda:1, ... (checked before anything loads).")
     ] = None,
+    disk_cache: Annotated[
+        Path | None,
+        typer.Option("--disk-cache", help="A disk tier below each pool, in DIR/pool-<capacity> (LMDB)."),
+    ] = None,
+    disk_cache_size: Annotated[
+        str | None, typer.Option("--disk-cache-size", help="Each disk tier's budget, e.g. 50G (default 8G).")
+    ] = None,
     json_out: opt.JsonOpt = None,
     html: opt.HtmlOpt = None,
     markdown: opt.MarkdownOpt = None,
@@ -63,6 +71,13 @@ def replay(
     if max_requests is not None and max_requests <= 0:
         raise UsageError(f"--max-requests must be > 0, got {max_requests}")
     opt.check_outputs(json_out, html, markdown)
+    if disk_cache_size is not None:
+        if disk_cache is None:
+            raise UsageError("--disk-cache-size needs --disk-cache DIR")
+        try:
+            parse_bytes(disk_cache_size, "--disk-cache-size")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     try:
         from engine.device import usable_device
         from engine.replay import ReplayError
@@ -94,6 +109,7 @@ def replay(
         "capacities": [c.label(bs) for c in caps],
         "dtype": dtype or "float32",
         "device": device,
+        "disk_cache": None if disk_cache is None else str(disk_cache),
     }
     results: list[RunResult] = []
     sites: list[DivergenceSite] = []
@@ -113,6 +129,8 @@ def replay(
                 on_start=prog.start,
                 on_row=prog.row,
                 sites=sites,
+                disk_cache=disk_cache,
+                max_disk_bytes=disk_cache_size,
             )
             settings.update(info)
         except ReplayError as exc:

@@ -131,6 +131,12 @@ class PrefixCachedModel:
     another prompt's KV for this one: silently wrong outputs. Turning it off warns (``UnverifiedCacheWarning``).
     ``hasher`` replaces the block hash (a test seam for forced collisions, as in ``PrefixCache``; leave it None).
 
+    A second tier below the pool (``engine.tier``, docs/tiers.md): ``disk_cache=DIR`` keeps every block the pool
+    caches in an LMDB store there too (written through, off the request's path), with ``max_disk_bytes`` (an int
+    or "50G"; default 8 GiB) and its own LRU; ``shared_cache="redis://host:port"`` keeps them on a Redis server
+    that several processes share. A match that stops in the pool continues in the tier; the blocks found there
+    are loaded into the pool. ``cache_stats()`` reports ``tier_*`` counters; ``close()`` finishes the writes.
+
     Weights: changing the model's parameters or buffers in place (an optimizer step, ``load_state_dict``, a
     LoRA merge, ``param.data.copy_``) or replacing one makes the cached KV stale; the next cached call notices
     (``engine.weights``: version counters, storage pointers and a few sampled values of every tensor) and drops

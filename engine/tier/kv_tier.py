@@ -55,8 +55,10 @@ class TierCounters:
     write_errors: int = 0  # blocks whose write failed (e.g. ENOSPC)
     read_errors: int = 0  # lookups or reads that failed on the store
     deleted_blocks: int = 0
+    read_bytes: int = 0  # K/V bytes loaded into the pool
+    read_s: float = 0.0  # time spent reading and checking them (a tier read rate: read_bytes / read_s)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -171,6 +173,7 @@ class KVTier:
         rows = torch.empty((n, self.kv_bytes), dtype=torch.uint8)
         if n == 0:
             return rows
+        started = time.perf_counter()
         todo: list[int] = []
         with self._cv:
             for i, key in enumerate(keys):
@@ -180,7 +183,10 @@ class KVTier:
                 else:
                     rows[i] = held[1][held[2]]
         got = self._read(keys, tokens, todo, rows) if todo else n
-        self.counters.loaded_blocks += got
+        c = self.counters
+        c.loaded_blocks += got
+        c.read_bytes += got * self.kv_bytes
+        c.read_s += time.perf_counter() - started
         return rows[:got]
 
     def _read(self, keys: Sequence[bytes], tokens: Sequence[bytes], todo: list[int], rows: torch.Tensor) -> int:

@@ -30,6 +30,14 @@ CapacityOpt = Annotated[
         "--capacity", "-c", help="Cache capacity in tokens (e.g. 4096, 64k, 1M, or 'unlimited'); repeat for a sweep."
     ),
 ]
+TierCapacityOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tier-capacity",
+        help="Replay a second tier below the pool (local disk or a shared store, written through): its capacity "
+        "in tokens (e.g. 1M, or 'unlimited'). Default: no tier.",
+    ),
+]
 CapacityBlocksOpt = Annotated[
     list[int] | None, typer.Option("--capacity-blocks", help="Cache capacity in blocks; repeatable.")
 ]
@@ -155,6 +163,21 @@ def capacities(
     if too_big is not None:
         raise UsageError(f"capacity {too_big.blocks:,} blocks is too large (at most 2**63 - 1); use 'unlimited'")
     return sorted(dict.fromkeys(caps), key=Capacity.sort_key)
+
+
+def tier_capacity(value: str | None, block_size: int) -> Capacity | None:
+    """The --tier-capacity option as a Capacity (None: no tier; ``Capacity(None)``: a tier without a limit);
+    UsageError names the option and the bad value."""
+    if value is None:
+        return None
+    try:
+        cap = Capacity.from_tokens(parse_capacity(value, "--tier-capacity"), block_size)
+    except ValueError as exc:
+        msg = str(exc)
+        raise UsageError(msg if msg.startswith("--tier-capacity") else f"--tier-capacity {value!r}: {msg}") from None
+    if cap.blocks is not None and cap.blocks >= RECORD_INT_LIMIT:
+        raise UsageError(f"--tier-capacity {value!r}: {cap.blocks:,} blocks is too large (at most 2**63 - 1)")
+    return cap
 
 
 def routers(names: list[str] | None) -> list[str]:

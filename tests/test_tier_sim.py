@@ -3,6 +3,7 @@ against an independent two-level simulation written here, the CLI's --tier-capac
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 import numpy as np
@@ -15,11 +16,13 @@ from typer.testing import CliRunner
 from prefixcache.cli import app
 from prefixcache.core.tier import TierIndex
 from prefixcache.sim.cluster import ClusterSpec, cluster_replay, global_bound
+from prefixcache.sim.kv_size import PRESETS
+from prefixcache.sim.plan import TierRates, make_plan
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.replay import replay
 from prefixcache.sim.requests import CacheRequests, from_trace
 from prefixcache.sim.results import CAUSE_FIELDS
-from prefixcache.workload.trace import trace_from_lists
+from prefixcache.workload.trace import load_trace, trace_from_lists
 
 
 # ---- a list model of TierIndex ----------------------------------------------------------------------------------
@@ -351,4 +354,93 @@ def test_cli_simulate_with_a_tier(tmp_path):
 )  # fmt: skip
 def test_cli_refuses_a_bad_tier_capacity(value, fragment):
     r = runner.invoke(app, ["simulate", "scenarios/chat.yaml", f"--tier-capacity={value}", "--no-progress"])
+    one_line_error(r, fragment)
+
+
+# ---- plan: RAM and disk -----------------------------------------------------------------------------------------
+def two_conversations(tmp_path):
+    """Block size 1, hash ids [1 2 3], [4 5 6], [1 2 3], [4 5 6] (3 tokens each), as a trace file."""
+    path = tmp_path / "two.jsonl"
+    rows = [[1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6]]
+    path.write_text(
+        "".join(
+            f'{{"timestamp": {i}, "input_length": 3, "output_length": 1, "hash_ids": {json.dumps(h)}}}\n'
+            for i, h in enumerate(rows)
+        )
+    )
+    return path
+
+
+def test_plan_tier_answer_by_hand(tmp_path):
+    # Pool of 3 blocks: each request evicts the other's 3 blocks, so the pool alone never hits. The tier gets
+    # 1 2 3, then 4 5 6; request 3 finds 1 2 3 there only if the tier holds all 6 (with 5 it has lost block 1,
+    # and a lookup stops at the first missing block); then request 4 finds 4 5 6. So every share of the
+    # achievable 6/12 needs a tier of exactly 6 blocks: pool 0%, tier 50%, miss 50%. TTFT at 1,000 prefill
+    # tokens/s and 100 tier tokens/s: 3 ms, 3 ms, 30 ms, 30 ms (mean 16.5 ms, p50 16.5 ms, p90 30 ms); no cache
+    # 3 ms each.
+    tr = load_trace(two_conversations(tmp_path), 1)
+    plan = make_plan(tr, pools=[3], tier_rates=TierRates(read_bytes=None, read_tokens=100.0), bound=False)
+    tp = plan.tiers
+    assert plan.unlimited_rate == 0.5
+    assert tp.pool_only[0].rate == 0.0 and tp.pool_only[0].ttft_mean_s == pytest.approx(0.003)
+    assert [a.point.tier_blocks for a in tp.answers] == [6, 6, 6]
+    p = tp.answers[0].point
+    assert (p.pool_rate, p.tier_rate, p.miss_rate) == (0.0, 0.5, 0.5)
+    assert (p.ttft_mean_s, p.ttft_p50_s, p.ttft_p90_s) == pytest.approx((0.0165, 0.0165, 0.03))
+    assert tp.no_cache.ttft_mean_s == pytest.approx(0.003)
+    # a pool of 6 needs no tier
+    plan = make_plan(tr, pools=[6], tier_rates=TierRates(read_bytes=None, read_tokens=100.0), bound=False)
+    assert [a.point.tier_blocks for a in plan.tiers.answers] == [0, 0, 0]
+
+
+def test_tier_rates_in_bytes_use_the_model_kv_size():
+    small = PRESETS["small"]  # 2 x 12 layers x 12 heads x 64 dims x 4 bytes = 73,728 B/token
+    r = TierRates(prefill_rate=1000.0, read_bytes=2e9, bytes_per_token=small.bytes_per_token)
+    assert small.bytes_per_token == 73_728
+    assert r.ttft_s(500, 73_728) == pytest.approx(0.5 + 73_728 * 73_728 / 2e9)
+    for bad in (dict(read_bytes=None), dict(read_tokens=5.0), dict(read_bytes=2e9), dict(prefill_rate=0.0)):
+        with pytest.raises(ValueError):
+            TierRates(**{"bytes_per_token": None, **bad})
+
+
+@settings(max_examples=25, deadline=None)
+@given(key_workloads(), st.integers(1, 6))
+def test_plan_tier_is_the_smallest_that_reaches_the_share(workload, pool):
+    paths, namespaces, bs, cuts = workload
+    reqs, _ = key_case(paths, namespaces, bs, cuts)
+    plan = make_plan(reqs.trace, pools=[pool], tier_rates=TierRates(read_bytes=None, read_tokens=1e4), bound=False)
+    for a in plan.tiers.answers:
+        rate = lambda t: replay(reqs, Capacity(pool), tier=Capacity(t) if t else None).totals()["token_hit_rate"]  # noqa: E731
+        if a.point is None:
+            assert rate(plan.working_set_blocks) < a.target_rate - 1e-12
+            continue
+        t = a.point.tier_blocks
+        assert rate(t) >= a.target_rate - 1e-12 and a.point.rate == rate(t)
+        if t > 0:
+            assert rate(t - 1) < a.target_rate - 1e-12 or t == 1  # rate(0): no tier
+
+
+def test_cli_plan_with_pool_capacity(tmp_path):
+    path = two_conversations(tmp_path)
+    out = tmp_path / "plan.json"
+    args = ["plan", str(path), "--block-size", "1", "--pool-capacity", "3", "--tier-read-rate", "100 tok"]
+    r = runner.invoke(app, [*args, "--no-bound", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "RAM and disk" in r.output
+    d = json.loads(out.read_text())["tiers"]
+    assert d["read_tokens_per_s"] == 100.0 and [a["tier_blocks"] for a in d["answers"]] == [6, 6, 6]
+    r = runner.invoke(app, ["plan", str(path), "--block-size", "1", "--pool-capacity", "3", "--no-bound"])
+    assert r.exit_code == 0 and "small model" in r.output  # bytes/s by default: the small model's KV size
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [(["--pool-capacity", "0"], "--pool-capacity must be > 0"),
+     (["--pool-capacity", "unlimited"], "--pool-capacity 'unlimited'"),
+     (["--pool-capacity", "3", "--tier-read-rate", "fast"], "--tier-read-rate 'fast'"),
+     (["--pool-capacity", "3", "--tier-read-rate", "-2G"], "--tier-read-rate '-2G'"),
+     (["--pool-capacity", "3", "--prefill-rate", "0"], "--prefill-rate must be a positive")],
+)  # fmt: skip
+def test_cli_plan_refuses_bad_tier_options(tmp_path, args, fragment):
+    r = runner.invoke(app, ["plan", str(two_conversations(tmp_path)), "--block-size", "1", "--no-bound", *args])
     one_line_error(r, fragment)

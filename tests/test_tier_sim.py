@@ -444,3 +444,38 @@ def test_cli_plan_with_pool_capacity(tmp_path):
 def test_cli_plan_refuses_bad_tier_options(tmp_path, args, fragment):
     r = runner.invoke(app, ["plan", str(two_conversations(tmp_path)), "--block-size", "1", "--no-bound", *args])
     one_line_error(r, fragment)
+
+
+# ---- the run record ---------------------------------------------------------------------------------------------
+def test_run_record_keeps_the_tier(tmp_path):
+    from prefixcache.core.errors import InputError
+    from prefixcache.reports.record import build_record, load_record, save_record, to_json
+
+    reqs, _ = key_case([[0, 1, 2], [3], [0, 1, 2], [0, 1]], ["a"] * 4, 4, [0, 1, 2, 3])
+    run = replay(reqs, Capacity(2), tier=Capacity(5))
+    assert sum(r.tier_tokens for r in run.rows) > 0
+    rec = build_record("simulate", "x", {}, [run])
+    save_record(rec, tmp_path / "r.json")
+    back = load_record(tmp_path / "r.json")
+    assert back.runs[0].rows == run.rows and back.runs[0].tier == Capacity(5)
+    assert back.totals() == rec.totals()
+    raw = to_json(rec)
+    v2 = to_json(build_record("simulate", "x", {}, [replay(reqs, Capacity(2))]))  # as version 2 wrote it:
+    v2["version"] = 2  # no run tier, no tier columns
+    del v2["runs"][0]["tier"]
+    for f in ("tier_tokens", "tier_blocks", "tier_used_blocks"):
+        del v2["runs"][0]["rows"][f]
+    (tmp_path / "v2.json").write_text(json.dumps(v2))
+    old = load_record(tmp_path / "v2.json").runs[0]
+    assert old.tier is None and all(r.tier_tokens is None for r in old.rows)
+    bad = json.loads(json.dumps(raw))
+    k = next(i for i, v in enumerate(bad["runs"][0]["rows"]["tier_tokens"]) if v)
+    bad["runs"][0]["rows"]["tier_tokens"][k] = bad["runs"][0]["rows"]["cached_tokens"][k] + 1
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(InputError, match=rf"tier_tokens\[{k}\]: .* is more than cached_tokens"):
+        load_record(tmp_path / "bad.json")
+    bad = json.loads(json.dumps(raw))
+    bad["runs"][0]["tier"] = None
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(InputError, match="set, but the run has no tier"):
+        load_record(tmp_path / "bad.json")

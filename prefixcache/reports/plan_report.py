@@ -128,39 +128,43 @@ def tier_rows(plan: Plan) -> Table | None:
         return None
     gb = plan.model is not None
 
-    def size(blocks: int) -> list[str]:  # tokens, and GB with a model
-        return [fmt.short(blocks * plan.block_size)] + ([fmt.gb(plan.gb(blocks))] if gb else [])
+    def size(blocks: int) -> str:  # GB with a model, else tokens
+        return fmt.gb(plan.gb(blocks)) if gb else fmt.short(blocks * plan.block_size)
 
-    header = ["pool tok"] + (["pool GB"] if gb else []) + ["share", "tier tok"] + (["tier GB"] if gb else [])
-    header += ["pool hit", "tier hit", "miss", "TTFT mean", "TTFT p50"]
+    unit = "GB" if gb else "tokens"
+    header = [f"RAM: pool {unit}", "share", f"disk: tier {unit}", "pool hit", "tier hit", "miss", "TTFT mean"]
+    header.append("TTFT p50")
     rows = []
-    blank = [""] * (1 + gb)
     for k, pool in enumerate(tp.pools):
         alone = tp.pool_only[k]
-        rows.append([*size(pool), "pool alone", *size(0), *_split(alone), *_ttft(alone)])
+        rows.append([size(pool), "pool alone", "-", *_split(alone), *_ttft(alone)])
         for a in (a for a in tp.answers if a.pool_blocks == pool):
             p = a.point
             if p is None:
-                rows.append([*size(pool), f"{a.fraction:.0%}", "not reached", *blank[1:], "", "", "", "", ""])
+                rows.append([size(pool), f"{a.fraction:.0%}", "not reached", "", "", "", "", ""])
             else:
-                rows.append([*size(pool), f"{a.fraction:.0%}", *size(p.tier_blocks), *_split(p), *_ttft(p)])
-    rows.append(["no cache", *blank[1:], "", *blank, "", "", "100.00%", *_ttft(tp.no_cache)])
+                disk = size(p.tier_blocks) if p.tier_blocks else "none needed"
+                rows.append([size(pool), f"{a.fraction:.0%}", disk, *_split(p), *_ttft(p)])
+    rows.append(["no cache", "", "", "", "", "100.0%", *_ttft(tp.no_cache)])
     r = tp.rates
     read = f"{fmt.short(int(r.read_bytes))}B/s" if r.read_bytes is not None else f"{r.read_tokens:,.0f} tokens/s"
     title_ = (
-        f"RAM and disk for a share of the achievable hit rate ({plan.unlimited_rate:.2%}): pool + second tier "
-        f"(LRU, written through); TTFT estimated at {r.prefill_rate:,.0f} prefill tokens/s and a tier read "
-        f"rate of {read} ({r.tokens_per_s:,.0f} tokens/s)"
+        f"RAM and disk for a share of the achievable hit rate ({plan.unlimited_rate:.2%}); estimated TTFT: "
+        f"{r.prefill_rate:,.0f} prefill tokens/s, tier read {read} ({r.tokens_per_s:,.0f} tokens/s)"
     )
     return Table(header, rows, title_)
 
 
 def _split(p: TierPoint) -> list[str]:
-    return [fmt.pct(p.pool_rate), fmt.pct(p.tier_rate), fmt.pct(p.miss_rate)]
+    return [fmt.pct(p.pool_rate, 1), fmt.pct(p.tier_rate, 1), fmt.pct(p.miss_rate, 1)]
 
 
 def _ttft(p: TierPoint) -> list[str]:
-    return [fmt.ms(p.ttft_mean_s), fmt.ms(p.ttft_p50_s)]
+    return [_time(p.ttft_mean_s), _time(p.ttft_p50_s)]
+
+
+def _time(seconds: float) -> str:
+    return fmt.ms(seconds) if seconds < 1 else fmt.seconds(seconds)
 
 
 def tier_table(plan: Plan) -> RichTable | None:

@@ -479,3 +479,26 @@ def test_run_record_keeps_the_tier(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(InputError, match="set, but the run has no tier"):
         load_record(tmp_path / "bad.json")
+
+
+def test_cli_cluster_with_a_shared_tier(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    paths = [[1, 2], [3], [1, 2], [3], [1, 2], [1, 2]]
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {i}, "input_length": {4 * len(h)}, "output_length": 1, "hash_ids": {json.dumps(h)}}}\n'
+            for i, h in enumerate(paths)
+        )
+    )
+    out = tmp_path / "c.json"
+    args = ["simulate", str(trace), "--block-size", "4", "--capacity-blocks", "2", "--replicas", "2"]
+    r = runner.invoke(
+        app, [*args, "--tier-capacity", "1k", "--router", "round_robin", "--no-progress"] + ["--json", str(out)]
+    )
+    assert r.exit_code == 0, r.output
+    assert "shared tier of 1,000 tokens (250 blocks)" in r.output
+    rec = json.loads(out.read_text())
+    # round robin: replica 0 gets [1 2] three times, replica 1 gets [3], [3], [1 2]: its [1 2] comes from the tier
+    (rr,) = rec["routers"]
+    assert rr["tier_tokens"] == 8 and rr["cached_tokens"] == 8 + 8 + 4 + 8
+    assert rec["settings"]["shared_tier_blocks"] == 250

@@ -129,11 +129,15 @@ class Replayer:
         n = reqs.prompt_tokens[i]
         stats = cache.stats
         evicted0 = stats.blocks_evicted
+        tier: tuple[int | None, ...] = NO_TIER
+        causes: tuple[object, ...] | None
         if self.tier is not None:
-            return self._serve_tiered(i, warmup, evicted0)
-        if reqs.mode == "keys":
+            cached, hit, inserted, causes, tier = self._serve_tiered(i)
+        elif reqs.mode == "keys":
             keys = reqs.request_keys(i)
             cached, hit, c = cache.serve_keys(keys, ns, num_tokens=n, keep_for=self.policy.keep_for)
+            inserted = c.cached_blocks - c.first_block
+            causes = None if self.causes is None else self.causes.observe(i, cached, c)
         else:
             assert reqs.prompts is not None and reqs.commits is not None
             m = cache.match(reqs.prompts[i], ns)
@@ -142,11 +146,35 @@ class Replayer:
             finally:
                 cache.release(m.handle)
             cached, hit = m.cached_tokens, m.cached_blocks
-        causes = None if self.causes is None else self.causes.observe(i, cached, c)
-        return self._row(i, warmup, cached, hit, c.cached_blocks - c.first_block, evicted0, causes, NO_TIER)
+            inserted = c.cached_blocks - c.first_block
+            causes = None if self.causes is None else self.causes.observe(i, cached, c)
+        return Row._make(
+            (
+                i,
+                ns,
+                n,
+                cached,
+                reqs.lookup_blocks[i],
+                hit,
+                inserted,
+                stats.blocks_evicted - evicted0,
+                cache.num_cached_blocks,
+                warmup,
+                ts,
+                reqs.output_tokens[i],
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+            + (NO_CAUSES if causes is None else causes)
+            + tier
+        )
 
-    def _serve_tiered(self, i: int, warmup: bool, evicted0: int) -> Row:
-        """``serve`` through the pool and the tier (the module docstring's protocol). Changes both."""
+    def _serve_tiered(self, i: int) -> tuple[int, int, int, tuple[object, ...] | None, tuple[int, int, int]]:
+        """Request ``i`` through the pool and the tier (the module docstring's protocol): its cached tokens and
+        blocks (pool + tier), inserted blocks (both commits), miss causes and tier fields. Changes both."""
         reqs, cache, tier = self.reqs, self.cache, self.tier
         assert tier is not None
         ns, n, bs = reqs.namespace[i], reqs.prompt_tokens[i], reqs.block_size
@@ -158,7 +186,7 @@ class Replayer:
             m = cache.match_keys(hash_ids, ns, num_tokens=n)
             limit = len(hash_ids)
         else:
-            assert reqs.prompts is not None and reqs.commits is not None
+            assert reqs.prompts is not None
             prompt = reqs.prompts[i]
             m = cache.match(prompt, ns)
             limit = (n - 1) // bs
@@ -181,45 +209,8 @@ class Replayer:
         tier.add(keys[c.first_block : c.cached_blocks])
         hit = p + t
         cached = min(hit * bs, n)
-        inserted = c.cached_blocks - c.first_block + t
         causes = None if self.causes is None else self.causes.observe(i, cached, c, loaded)
-        return self._row(i, warmup, cached, hit, inserted, evicted0, causes, (cached - m.cached_tokens, t, len(tier)))
-
-    def _row(
-        self,
-        i: int,
-        warmup: bool,
-        cached: int,
-        hit: int,
-        inserted: int,
-        evicted0: int,
-        causes: tuple[object, ...] | None,
-        tier: tuple[int | None, ...],
-    ) -> Row:
-        reqs, cache = self.reqs, self.cache
-        return Row._make(
-            (
-                i,
-                reqs.namespace[i],
-                reqs.prompt_tokens[i],
-                cached,
-                reqs.lookup_blocks[i],
-                hit,
-                inserted,
-                cache.stats.blocks_evicted - evicted0,
-                cache.num_cached_blocks,
-                warmup,
-                reqs.timestamp[i],
-                reqs.output_tokens[i],
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
-            + (NO_CAUSES if causes is None else causes)
-            + tier
-        )
+        return cached, hit, c.cached_blocks - c.first_block + t, causes, (cached - m.cached_tokens, t, len(tier))
 
 
 def replay(

@@ -147,10 +147,12 @@ def tier_rows(plan: Plan) -> Table | None:
                 rows.append([size(pool), f"{a.fraction:.0%}", disk, *_split(p), *_ttft(p)])
     rows.append(["no cache", "", "", "", "", "100.0%", *_ttft(tp.no_cache)])
     r = tp.rates
-    read = f"{fmt.short(int(r.read_bytes))}B/s" if r.read_bytes is not None else f"{r.read_tokens:,.0f} tokens/s"
+    read = f"{r.tokens_per_s:,.0f} tokens/s"
+    if r.read_bytes is not None:
+        read = f"{fmt.short(int(r.read_bytes))}B/s ({read} at {r.bytes_per_token:,} B/token)"
     title_ = (
         f"RAM and disk for a share of the achievable hit rate ({plan.unlimited_rate:.2%}); estimated TTFT: "
-        f"{r.prefill_rate:,.0f} prefill tokens/s, tier read {read} ({r.tokens_per_s:,.0f} tokens/s)"
+        f"{r.prefill_rate:,.0f} prefill tokens/s, tier read {read}"
     )
     return Table(header, rows, title_)
 

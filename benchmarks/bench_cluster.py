@@ -13,7 +13,12 @@ gap, p99 queueing within 1.1x least_loaded's, busy max/min <= 1.25. Reference (a
 round robin over 4 x 2,500 blocks 9.1%, one cache of 10,000 blocks 21.6% (2.37x); Mooncake's paper (FAST'25,
 Fig. 10) reports a global cache at 2.22x (conversation) and 2.36x (synthetic) local caches.
 
-    python benchmarks/bench_cluster.py [--rates 10000,20000] [--step-tokens 8192] [--chunk-tokens 2048] [--json FILE]
+Shared tier (issue 20): the same shapes at the first rate, round robin and prefix_balanced above ONE second tier
+shared by every replica (``ClusterSpec.tier``, each of --tiers blocks), against the global bound: one cache of
+N x C blocks above the same tier (and, for reference, without it).
+
+    python benchmarks/bench_cluster.py [--rates 10000,20000] [--step-tokens 8192] [--chunk-tokens 2048]
+        [--tiers 10000,100000] [--json FILE]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -42,6 +48,7 @@ def main() -> None:
     ap.add_argument("--rates", default="10000,20000", help="prefill rates to model, tokens/s per replica")
     ap.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS, help="chunked queue: tokens a step")
     ap.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="chunked: cap a prompt (0: none)")
+    ap.add_argument("--tiers", default="10000,100000", help="shared tier sizes, blocks ('' for none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -119,8 +126,72 @@ def main() -> None:
         )
     Console(width=160).print(table)
     print(f"chunked: {chunked_queue.label}")
+    tiers = [int(b) for b in args.tiers.split(",") if b]
+    tier_rows = shared_tier_rows(tiers, rates[0], {(r["trace"], r["replicas"], r["router"]): r for r in rows})
     if args.json:
-        args.json.write_text(json.dumps({"chunked_queue": chunked_queue.settings(), "rows": rows}, indent=1) + "\n")
+        doc = {"chunked_queue": chunked_queue.settings(), "rows": rows, "shared_tier_rows": tier_rows}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+TIER_ROUTERS = ("round_robin", "prefix_balanced")
+
+
+def shared_tier_rows(tiers: list[int], rate: float, today: dict) -> list[dict]:
+    """Round robin and prefix_balanced above one shared tier of each size, next to today's (no tier) rows and
+    the global bound with and without the tier; prints them as a table. Returns the rows."""
+    out = []
+    for name in ("mooncake_conversation", "mooncake_synthetic"):
+        reqs = from_trace(load_trace(TRACES / f"{name}_trace.jsonl.gz"))
+        for n, c in SHAPES:
+            for tier in tiers:
+                spec = ClusterSpec(n, Capacity(c), load=LoadModel(rate), tier=Capacity(tier))
+                bound = global_bound(reqs, spec).totals()
+                for router in TIER_ROUTERS:
+                    t = time.perf_counter()
+                    s = cluster_replay(reqs, replace(spec, router=router)).summary()
+                    base = today[(name, n, router)]
+                    out.append(
+                        {
+                            "trace": name,
+                            "replicas": n,
+                            "blocks_per_replica": c,
+                            "prefill_rate": rate,
+                            "router": router,
+                            "tier_blocks": tier,
+                            "token_hit_rate": s["token_hit_rate"],
+                            "pool_token_hit_rate": s["pool_token_hit_rate"],
+                            "tier_token_hit_rate": s["tier_token_hit_rate"],
+                            "no_tier_token_hit_rate": base["token_hit_rate"],
+                            "global_bound": bound["token_hit_rate"],
+                            "global_bound_pool": bound["pool_token_hit_rate"],
+                            "global_bound_no_tier": base["global_bound"],
+                            "busy_max_min": s["busy_max_min"],
+                            "queue_p99_s": s["queue_delay_p99_s"],
+                            "seconds": time.perf_counter() - t,
+                        }
+                    )
+    table = Table(title=f"Shared tier: one second tier below every replica ({rate:,.0f} tokens/s per replica)")
+    cols = ("trace", "N x blocks", "tier blocks", "router", "hit", "pool", "tier", "no tier", "global+tier")
+    for col in (*cols, "global", "busy max/min", "p99 queue s", "sim s"):
+        table.add_column(col, justify="left" if col in ("trace", "router") else "right")
+    for r in out:
+        table.add_row(
+            r["trace"].replace("mooncake_", ""),
+            f"{r['replicas']} x {r['blocks_per_replica']:,}",
+            f"{r['tier_blocks']:,}",
+            r["router"],
+            f"{r['token_hit_rate']:.1%}",
+            f"{r['pool_token_hit_rate']:.1%}",
+            f"{r['tier_token_hit_rate']:.1%}",
+            f"{r['no_tier_token_hit_rate']:.1%}",
+            f"{r['global_bound']:.1%}",
+            f"{r['global_bound_no_tier']:.1%}",
+            "—" if r["busy_max_min"] is None else f"{r['busy_max_min']:.2f}",
+            f"{r['queue_p99_s']:.2f}",
+            f"{r['seconds']:.1f}",
+        )
+    Console(width=160).print(table)
+    return out
 
 
 if __name__ == "__main__":

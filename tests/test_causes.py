@@ -262,7 +262,8 @@ def test_token_reuse_distances_and_live_causes(workload, cap):
         cache.release(m.handle)
         live.committed(lr, reqs.commits[i], c)
         assert m.cached_tokens == r.cached_tokens
-        assert lr.causes._replace(reuse_blocks=None) == (*r[-9:-3], None, r.shared_tokens, r.shared_with)
+        split = tuple(getattr(r, f) for f in CAUSE_FIELDS.values())
+        assert lr.causes._replace(reuse_blocks=None) == (*split, None, r.shared_tokens, r.shared_with)
 
 
 def test_live_causes_forget_past_their_window():

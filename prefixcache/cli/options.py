@@ -6,6 +6,7 @@ UsageError (one line, exit 2) for a bad value.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +29,14 @@ CapacityOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--capacity", "-c", help="Cache capacity in tokens (e.g. 4096, 64k, 1M, or 'unlimited'); repeat for a sweep."
+    ),
+]
+TierCapacityOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tier-capacity",
+        help="Replay a second tier below the pool (local disk or a shared store, written through): its capacity "
+        "in tokens (e.g. 1M, or 'unlimited'). Default: no tier.",
     ),
 ]
 CapacityBlocksOpt = Annotated[
@@ -155,6 +164,43 @@ def capacities(
     if too_big is not None:
         raise UsageError(f"capacity {too_big.blocks:,} blocks is too large (at most 2**63 - 1); use 'unlimited'")
     return sorted(dict.fromkeys(caps), key=Capacity.sort_key)
+
+
+def tier_capacity(value: str | None, block_size: int, option: str = "--tier-capacity") -> Capacity | None:
+    """A size option in tokens (--tier-capacity) as a Capacity (None: not given; ``Capacity(None)``: 'unlimited');
+    UsageError names the option and the bad value."""
+    if value is None:
+        return None
+    try:
+        cap = Capacity.from_tokens(parse_capacity(value, option), block_size)
+    except ValueError as exc:
+        msg = str(exc)
+        raise UsageError(msg if msg.startswith(option) else f"{option} {value!r}: {msg}") from None
+    if cap.blocks is not None and cap.blocks >= RECORD_INT_LIMIT:
+        raise UsageError(f"{option} {value!r}: {cap.blocks:,} blocks is too large (at most 2**63 - 1)")
+    return cap
+
+
+_RATE_MULT = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def read_rate(value: str, option: str = "--tier-read-rate") -> tuple[float | None, float | None]:
+    """A tier read rate: bytes per second ("2G", "2GB/s", "500M", "2e9") or tokens per second ("40k tok",
+    "40000 tokens/s"), as (bytes/s, None) or (None, tokens/s). UsageError names the option and the value."""
+    s = value.strip().lower().replace(" ", "").replace("_", "").replace(",", "")
+    s = s.removesuffix("/s")
+    tokens = s.endswith(("tok", "tokens"))
+    s = s.removesuffix("tokens").removesuffix("tok") if tokens else s.removesuffix("b")
+    mult = _RATE_MULT.get(s[-1:], 1.0)
+    try:
+        number = float(s[:-1] if s[-1:] in _RATE_MULT else s) * mult
+    except ValueError:
+        number = math.nan
+    if not (number > 0 and math.isfinite(number)):
+        raise UsageError(
+            f"{option} {value!r}: expected a positive rate in bytes/s (e.g. 2G) or tokens/s (e.g. '40k tok')"
+        )
+    return (None, number) if tokens else (number, None)
 
 
 def routers(names: list[str] | None) -> list[str]:

@@ -1,9 +1,12 @@
 """``prefixcache plan``: hit rate at every capacity (one-pass LRU), other policies, the optimal bound, and the
-capacity (blocks, tokens, GB) that reaches 50/70/90% of the achievable hit rate.
+capacity (blocks, tokens, GB) that reaches 50/70/90% of the achievable hit rate; with --pool-capacity, the RAM
+(pool) and disk (second tier) for each share, with time to first token estimated from --prefill-rate and
+--tier-read-rate.
 
 Validates options and hands off to prefixcache.sim.plan (computing) and prefixcache.reports.plan_report.
 """
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -14,10 +17,10 @@ from prefixcache.cli import options as opt
 from prefixcache.cli.app import UsageError, app, user_errors
 from prefixcache.core import POLICIES
 from prefixcache.reports.document import write_html, write_markdown
-from prefixcache.reports.plan_report import answer_table, curve_table, document, write_json
-from prefixcache.sim.kv_size import resolve_model
+from prefixcache.reports.plan_report import answer_table, curve_table, document, tier_table, write_json
+from prefixcache.sim.kv_size import PRESETS, resolve_model
 from prefixcache.sim.lru_curve import WEIGHTS
-from prefixcache.sim.plan import make_plan
+from prefixcache.sim.plan import DEFAULT_PREFILL_RATE, TierRates, make_plan
 
 
 @app.command("plan")
@@ -58,6 +61,30 @@ def plan(
     ] = 16,
     bound: Annotated[bool, typer.Option("--bound/--no-bound", help="Compute the optimal (Belady) bound.")] = True,
     block_size: opt.BlockSizeOpt = None,
+    pool_capacity: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--pool-capacity",
+            help="Plan a second tier (disk) below a pool (RAM) of this many tokens (e.g. 64k; repeatable): the "
+            "smallest tier for each share of the achievable hit rate, the pool/tier/miss split and estimated TTFT.",
+        ),
+    ] = None,
+    prefill_rate: Annotated[
+        float,
+        typer.Option(
+            "--prefill-rate",
+            help=f"With --pool-capacity: tokens per second the model prefills (default {DEFAULT_PREFILL_RATE:,.0f}, "
+            "a placeholder until measured on the small model).",
+        ),
+    ] = DEFAULT_PREFILL_RATE,
+    tier_read_rate: Annotated[
+        str,
+        typer.Option(
+            "--tier-read-rate",
+            help="With --pool-capacity: how fast the tier is read, bytes/s (e.g. 2G; turned into tokens with the "
+            "model's KV size, --model, default small) or tokens/s (e.g. '40k tok'). Default 2G (a placeholder).",
+        ),
+    ] = "2G",
     json_out: opt.JsonOpt = None,
     html: opt.HtmlOpt = None,
     markdown: opt.MarkdownOpt = None,
@@ -78,6 +105,13 @@ def plan(
         shape = resolve_model(model, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    read_bytes, read_tokens = opt.read_rate(tier_read_rate)
+    if not (prefill_rate > 0 and math.isfinite(prefill_rate)):
+        raise UsageError(f"--prefill-rate must be a positive number of tokens per second, got {prefill_rate}")
+    for c in pool_capacity or []:  # the syntax, before loading
+        cap = opt.tier_capacity(c, 1, "--pool-capacity")
+        if cap is None or cap.blocks is None:
+            raise UsageError(f"--pool-capacity {c!r}: give a size (a pool without a limit needs no tier)")
     scenario = opt.load_workload(trace, block_size, "file")
     if scenario.trace is None:
         raise UsageError(
@@ -90,6 +124,18 @@ def plan(
         f"policies {', '.join(policies)}{' + optimal bound' if bound else ''}"
     )
     assert all(p in POLICIES for p in policies)
+    pools: list[int] = []
+    rates = None
+    if pool_capacity:
+        for c in pool_capacity:
+            cap = opt.tier_capacity(c, tr.block_size, "--pool-capacity")
+            assert cap is not None and cap.blocks is not None  # checked above
+            pools.append(cap.blocks)
+        pools = sorted(set(pools))
+        kv = shape if shape is not None else PRESETS["small"]
+        if read_bytes is not None and shape is None:
+            console.info(f"tier read rate in bytes/s: KV size of the small model ({kv.bytes_per_token:,} B/token)")
+        rates = TierRates(prefill_rate, read_bytes, read_tokens, kv.bytes_per_token)
     try:
         result = make_plan(
             tr,
@@ -102,12 +148,17 @@ def plan(
             model=shape,
             keep_for=keep_for,
             progress=console.info,
+            pools=pools,
+            tier_rates=rates,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     to_stderr = opt.stdout_taken(json_out, html, markdown)
     console.show(curve_table(result), to_stderr=to_stderr)
     console.show(answer_table(result), to_stderr=to_stderr)
+    tiers = tier_table(result)
+    if tiers is not None:
+        console.show(tiers, to_stderr=to_stderr)
     console.info("time: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.seconds.items()))
     if json_out is not None:
         console.info(f"JSON written to {write_json(result, json_out)}")

@@ -32,6 +32,7 @@ def simulate(
     source: Annotated[Path, typer.Argument(help="Scenario YAML, or a Mooncake-style JSONL trace (plain or .gz).")],
     capacity: opt.CapacityOpt = None,
     capacity_blocks: opt.CapacityBlocksOpt = None,
+    tier_capacity: opt.TierCapacityOpt = None,
     block_size: opt.BlockSizeOpt = None,
     warmup: opt.WarmupOpt = 0.0,
     eviction: opt.EvictionOpt = "lru",
@@ -107,9 +108,12 @@ def simulate(
     requests are tokenised with the built-in byte-level tokenizer; model replies are synthesised.
     With --replicas N: a cluster of N caches of one capacity each, routed by each --router in turn, side by
     side with one cache of N times the capacity (load modelled in time: see --prefill-rate and --prefill-queue).
+    With --tier-capacity: a second tier below the pool (written through; a lookup that stops in the pool goes on
+    in the tier, whose blocks are loaded into the pool), hits counted in each; with --replicas, one tier shared
+    by every replica (and by the one big cache they are compared with).
     """
     opt.check_outputs(json_out, html, markdown)
-    args = WorkloadArgs(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order)
+    args = WorkloadArgs(source, capacity, capacity_blocks, block_size, warmup, eviction, keep_for, order, tier_capacity)
     # Loading, replays and the record make many objects and few cycles. The work is a call, so that what it
     # made is freed (by reference counts) before the collector's thresholds come back; else the next
     # allocation would start a pass over all of it just before it goes anyway.
@@ -163,24 +167,41 @@ class WorkloadArgs:
     eviction: str
     keep_for: float | None
     order: str
+    tier_capacity: str | None = None  # --tier-capacity, as given (None: no second tier)
 
 
-def _prepare(a: WorkloadArgs) -> tuple[ReplayPolicy, Scenario, int, list[Capacity], CacheRequests]:
-    """Check the replay options, load the source and turn it into cache requests: (policy, scenario, block
-    size, capacities, requests). Raises UsageError/InputError for bad options or input."""
+@dataclass(frozen=True)
+class Prepared:
+    """A checked workload: the policy, scenario, block size, capacities, second tier (None: none), requests."""
+
+    policy: ReplayPolicy
+    scenario: Scenario
+    block_size: int
+    capacities: list[Capacity]
+    tier: Capacity | None
+    reqs: CacheRequests
+
+
+def _prepare(a: WorkloadArgs) -> Prepared:
+    """Check the replay options, load the source and turn it into cache requests. Raises UsageError/InputError
+    for bad options or input (the options' syntax before the source is read)."""
     policy = opt.replay_policy(a.eviction, a.keep_for, a.warmup)
     opt.check_block_size(a.block_size)
     opt.check_order(a.order)
+    if a.tier_capacity is not None:  # its syntax before any loading; its blocks once the block size is known
+        opt.tier_capacity(a.tier_capacity, 1)
     scenario = opt.load_workload(a.source, a.block_size, a.order)
     bs = opt.block_size_of(scenario, a.block_size)
     caps = opt.capacities(a.capacity, a.capacity_blocks, bs, scenario)
-    return policy, scenario, bs, caps, from_scenario(scenario, bs)
+    tier = opt.tier_capacity(a.tier_capacity, bs)
+    return Prepared(policy, scenario, bs, caps, tier, from_scenario(scenario, bs))
 
 
 def run_workload(args: WorkloadArgs, progress: bool) -> Simulated:
     """Check the simulation options, load the source and replay it at every capacity (a Ctrl-C keeps the rows
     so far: the record is marked partial). Raises UsageError/InputError for bad options or input."""
-    policy, scenario, bs, caps, reqs = _prepare(args)
+    w = _prepare(args)
+    policy, scenario, bs, caps, reqs = w.policy, w.scenario, w.block_size, w.capacities, w.reqs
     settings = {
         "source": str(args.source),
         "kind": "trace" if scenario.is_trace else "scenario",
@@ -191,12 +212,13 @@ def run_workload(args: WorkloadArgs, progress: bool) -> Simulated:
         "warmup": policy.warmup,
         "order": args.order,
         "capacities": [c.label(bs) for c in caps],
+        "tier_capacity": None if w.tier is None else w.tier.label(bs),
     }
     results: list[RunResult] = []
     interrupted = False
     with run_progress(progress, lambda c: c.label(bs)) as prog:
         try:
-            results = run_simulation(reqs, caps, policy, on_start=prog.start, on_row=prog.on_row)
+            results = run_simulation(reqs, caps, policy, on_start=prog.start, on_row=prog.on_row, tier=w.tier)
         except KeyboardInterrupt:
             interrupted = True
     sites = workload_sites(reqs, results[0].rows, top=TOP_SITES) if results else []
@@ -208,10 +230,11 @@ def run_cluster(args: WorkloadArgs, cluster: ClusterArgs, progress: bool) -> dic
     """Check the cluster options, load the source and replay it through a cluster once per router, then one
     cache of the cluster's total size. Returns the cluster record. Raises UsageError/InputError."""
     routers = opt.routers(cluster.router)
-    policy, scenario, bs, caps, reqs = _prepare(args)
+    w = _prepare(args)
+    policy, scenario, bs, caps, reqs = w.policy, w.scenario, w.block_size, w.capacities, w.reqs
     if len(caps) != 1:
         raise UsageError("--replicas takes one capacity (per replica): one --capacity or --capacity-blocks")
-    spec = opt.cluster_spec(cluster, caps[0])
+    spec = replace(opt.cluster_spec(cluster, caps[0]), tier=w.tier)
     replicas = cluster.replicas
     summaries = []
     with run_progress(progress, lambda name: f"router {name}") as prog:
@@ -229,6 +252,8 @@ def run_cluster(args: WorkloadArgs, cluster: ClusterArgs, progress: bool) -> dic
         "block_size": bs,
         "replicas": replicas,
         "capacity_blocks_per_replica": caps[0].blocks,
+        "shared_tier_blocks": None if w.tier is None else w.tier.blocks,
+        "shared_tier": None if w.tier is None else w.tier.label(bs),
         "prefill_rate": spec.load.prefill_rate,
         **spec.load.queue.settings(),
         "guard": {"abs_threshold": spec.guard.abs_threshold, "rel_threshold": spec.guard.rel_threshold},

@@ -77,10 +77,17 @@ def comparison(record: dict[str, Any]) -> Table:
     rs = record["routers"]
     bound = record["global_bound"]["token_hit_rate"]
     rr = next((r["token_hit_rate"] for r in rs if r["router"] == "round_robin"), None)
+    s = record["settings"]
+    tiered = bool(s.get("shared_tier"))
+
+    def split(t: dict[str, Any]) -> list[str]:  # the pool's and the shared tier's parts of the hit rate
+        return [fmt.pct(t.get("pool_token_hit_rate")), fmt.pct(t.get("tier_token_hit_rate"))] if tiered else []
+
     rows = [
         [
             r["router"],
             fmt.pct(r["token_hit_rate"]),
+            *split(r),
             fmt.pct(gap_recovered(r["token_hit_rate"], rr, bound), 1),
             _x(r["requests_max_min"]),
             _x(r["busy_max_min"]),
@@ -89,13 +96,14 @@ def comparison(record: dict[str, Any]) -> Table:
         ]
         for r in rs
     ]
-    s = record["settings"]
-    rows.append([f"one cache of {s['replicas']}x", fmt.pct(bound), "", "", "", "", ""])
+    rows.append([f"one cache of {s['replicas']}x", fmt.pct(bound), *split(record["global_bound"]), "", "", "", "", ""])
     title = (
-        f"{s['replicas']} replicas x {fmt.integer(s['capacity_blocks_per_replica'])} blocks, "
-        f"prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica, {_queue_label(s)} queue"
+        f"{s['replicas']} replicas x {fmt.integer(s['capacity_blocks_per_replica'])} blocks"
+        + (f" + a shared tier of {s['shared_tier']}" if tiered else "")
+        + f", prefill {fmt.integer(int(s['prefill_rate']))} tokens/s per replica, {_queue_label(s)} queue"
     )
-    header = ["router", "hit rate", "gap closed", "req max/min", "busy max/min", "p50 queue", "p99 queue"]
+    header = ["router", "hit rate", *(["pool hit", "tier hit"] if tiered else [])]
+    header += ["gap closed", "req max/min", "busy max/min", "p50 queue", "p99 queue"]
     return Table(header, rows, title)
 
 
@@ -171,5 +179,6 @@ LOAD_NOTE = (
     "prompts pass long ones. Prefix-affine routing sends a conversation's next turn to the replica holding "
     "its history: under fcfs it waits there behind any long cold prompt; a cap (chunked) lets it pass. "
     "Decoding is not modelled. The last row is one cache of the "
-    "cluster's total size fed every request: the bound any routing over separate caches can reach."
+    "cluster's total size fed every request: the bound any routing over separate caches can reach. With a shared "
+    "tier, every replica (and that one cache) sits above the same second tier; what it serves is not prefilled."
 )

@@ -35,7 +35,7 @@ def short(n: int | None) -> str:
     if n is None:
         return NONE
     for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= div:
+        if n >= div * 0.9995:  # 999,936 -> "1M", not "1e+03k" (3 significant digits)
             return f"{n / div:.3g}{unit}"
     return str(n)
 

@@ -6,6 +6,7 @@ matplotlib is imported only when a plot is drawn (Agg backend, no display).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from prefixcache.reports import format as fmt
 from prefixcache.reports.document import Document, Figure, Section, Table, rich_table
 from prefixcache.reports.output import write_output
 from prefixcache.reports.plots import png
-from prefixcache.sim.plan import Plan
+from prefixcache.sim.plan import Plan, TierPoint
 
 CURVE_LABELS = {"optimal": "optimal bound", "lru": "LRU", "fifo": "FIFO", "lfu": "LFU", "priority": "priority"}
 
@@ -119,6 +120,90 @@ def answer_table(plan: Plan) -> RichTable:
     return rich_table(Table(t.header, t.rows, title_))
 
 
+def tier_rows(plan: Plan) -> Table | None:
+    """RAM and disk for each share of the achievable hit rate: per pool size, the smallest tier, the split of
+    the hit rate and the estimated TTFT (None without a tier plan)."""
+    tp = plan.tiers
+    if tp is None:
+        return None
+    gb = plan.model is not None
+
+    def size(blocks: int) -> str:  # GB with a model, else tokens
+        return fmt.gb(plan.gb(blocks)) if gb else fmt.short(blocks * plan.block_size)
+
+    unit = "GB" if gb else "tokens"
+    header = [f"RAM: pool {unit}", "share", f"disk: tier {unit}", "pool hit", "tier hit", "miss", "TTFT mean"]
+    header.append("TTFT p50")
+    rows = []
+    for k, pool in enumerate(tp.pools):
+        alone = tp.pool_only[k]
+        rows.append([size(pool), "pool alone", "-", *_split(alone), *_ttft(alone)])
+        for a in (a for a in tp.answers if a.pool_blocks == pool):
+            p = a.point
+            if p is None:
+                rows.append([size(pool), f"{a.fraction:.0%}", "not reached", "", "", "", "", ""])
+            else:
+                disk = size(p.tier_blocks) if p.tier_blocks else "none needed"
+                rows.append([size(pool), f"{a.fraction:.0%}", disk, *_split(p), *_ttft(p)])
+    rows.append(["no cache", "", "", "", "", "100.0%", *_ttft(tp.no_cache)])
+    r = tp.rates
+    read = f"{r.tokens_per_s:,.0f} tokens/s"
+    if r.read_bytes is not None:
+        read = f"{fmt.short(int(r.read_bytes))}B/s ({read} at {r.bytes_per_token:,} B/token)"
+    title_ = (
+        f"RAM and disk for a share of the achievable hit rate ({plan.unlimited_rate:.2%}); estimated TTFT: "
+        f"{r.prefill_rate:,.0f} prefill tokens/s, tier read {read}"
+    )
+    return Table(header, rows, title_)
+
+
+def _split(p: TierPoint) -> list[str]:
+    return [fmt.pct(p.pool_rate, 1), fmt.pct(p.tier_rate, 1), fmt.pct(p.miss_rate, 1)]
+
+
+def _ttft(p: TierPoint) -> list[str]:
+    return [_time(p.ttft_mean_s), _time(p.ttft_p50_s)]
+
+
+def _time(seconds: float) -> str:
+    return fmt.ms(seconds) if seconds < 1 else fmt.seconds(seconds)
+
+
+def tier_table(plan: Plan) -> RichTable | None:
+    """The tier answers for the terminal (None without a tier plan)."""
+    t = tier_rows(plan)
+    return None if t is None else rich_table(t)
+
+
+def _tier_dict(plan: Plan) -> dict[str, Any] | None:
+    tp = plan.tiers
+    if tp is None:
+        return None
+    r = tp.rates
+    return {
+        "prefill_rate": r.prefill_rate,
+        "read_bytes_per_s": r.read_bytes,
+        "read_tokens_per_s": r.tokens_per_s,
+        "bytes_per_token": r.bytes_per_token,
+        "pools_blocks": list(tp.pools),
+        "pool_only": [asdict(p) for p in tp.pool_only],
+        "answers": [
+            {
+                "fraction": a.fraction,
+                "target_rate": a.target_rate,
+                "pool_blocks": a.pool_blocks,
+                "tier_blocks": None if a.point is None else a.point.tier_blocks,
+                "pool_gb": plan.gb(a.pool_blocks),
+                "tier_gb": None if a.point is None else plan.gb(a.point.tier_blocks),
+                "point": None if a.point is None else asdict(a.point),
+            }
+            for a in tp.answers
+        ],
+        "no_cache": asdict(tp.no_cache),
+        "replays": tp.replays,
+    }
+
+
 # ---- JSON -----------------------------------------------------------------------------------------------
 def to_dict(plan: Plan, full_curve_points: int = 512) -> dict[str, Any]:
     """A JSON-ready dict: settings, grid rates, answers, and the LRU curve at ``full_curve_points`` log points."""
@@ -163,6 +248,7 @@ def to_dict(plan: Plan, full_curve_points: int = 512) -> dict[str, Any]:
             }
             for a in plan.answers
         ],
+        "tiers": _tier_dict(plan),
         "seconds": plan.seconds,
     }
 
@@ -221,6 +307,18 @@ def document(plan: Plan) -> Document:
             [Table(answers.header, answers.rows), "'<=': the first grid capacity that reaches it (replayed policies)."],
         )
     )
+    tiers = tier_rows(plan)
+    if tiers is not None:
+        doc.sections.append(Section("RAM and disk", [tiers, TIER_NOTE]))
     curves = curve_rows(plan)
     doc.sections.append(Section(curves.title, [Table(curves.header, curves.rows)]))
     return doc
+
+
+TIER_NOTE = (
+    "Each row is one replay of the trace through a pool of the given size above a second tier (written through: "
+    "every block the pool takes is also stored below; a lookup that stops in the pool goes on in the tier, whose "
+    "blocks are loaded into the pool). The tier is the smallest, to the block, that reaches the share (bisected "
+    "over replays); 0 when the pool alone does. TTFT per request = uncached tokens / prefill rate + tier tokens / "
+    "tier read rate (a model-free estimate: the pool's own hits and decoding cost nothing)."
+)

@@ -1,12 +1,14 @@
 """The run record: what ``simulate`` and ``replay`` measured, as a typed value and as versioned JSON.
 
-JSON layout, version 2 (``report`` renders it; version 1 files, whose rows were a list of objects, still load)::
+JSON layout, version 3 (``report`` renders it; version 1 files, whose rows were a list of objects, and version
+2 files, without the second tier, still load)::
 
-    {"version": 2, "command": "simulate"|"replay", "partial": bool, "created": ISO time, "source": path,
+    {"version": 3, "command": "simulate"|"replay", "partial": bool, "created": ISO time, "source": path,
      "settings": {...},                                  # what the run was asked to do
      "totals": [ {capacity_tokens, capacity_blocks, pool_blocks, block_size, requests, prompt_tokens,
                   cached_tokens, token_hit_rate, block_hit_rate, ...}, ... ],   # one per capacity
      "runs": [ {"capacity_tokens", "capacity_blocks", "pool_blocks", "block_size", "partial",
+                "tier": null | {"capacity_blocks": int | null},   # the second tier below the pool, if any
                 "rows": {"index": [...], "namespace": [...], ...}}, ... ],  # rows column by column
      "divergences": [ {position, requests, tokens, example, partner, before, this, other}, ... ]}
 
@@ -15,7 +17,10 @@ A row is one request (``prefixcache.sim.results.Row``); times are seconds, null 
 for other readers and recomputed on load). Rows say why their uncached tokens missed (``cold_tokens`` ...
 ``shared_with``, see ``prefixcache.sim.causes``); ``divergences`` lists the top divergence points of the run
 (``prefixcache.sim.diagnosis.DivergenceSite``; they do not depend on the capacity). Files written before
-these existed load with null causes and no divergences.
+these existed load with null causes and no divergences. Version 3 adds the second tier: a run's ``tier``
+(absent or null: none) and the row columns ``tier_tokens``, ``tier_blocks``, ``tier_used_blocks`` (null without
+a tier; a row's ``cached_tokens`` and ``hit_blocks`` count pool and tier together, so the tier's part is at most
+them).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from prefixcache.sim.policy import Capacity
 from prefixcache.sim.results import CAUSE_FIELDS, ROW_FIELDS, Row, RunResult
 from prefixcache.workload.files import input_file, read_text
 
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MAX_RECORD_BYTES = 2**33  # 8 GiB: a bound for a pipe that never ends, far above any real record
 TOP_SITES = 50  # divergence points a record keeps
 
@@ -98,6 +103,7 @@ def to_json(record: RunRecord) -> dict[str, Any]:
                 "pool_blocks": r.pool_blocks,
                 "block_size": r.block_size,
                 "partial": r.partial,
+                "tier": None if r.tier is None else {"capacity_blocks": r.tier.blocks},
                 "rows": {name: list(col) for name, col in r.columns.items()},
             }
         )
@@ -169,9 +175,17 @@ _ROW_SPEC: dict[str, tuple[str, bool]] = {
     "reuse_blocks": ("int", True),
     "shared_tokens": ("int", True),
     "shared_with": ("int", True),
+    "tier_tokens": ("int", True),
+    "tier_blocks": ("int", True),
+    "tier_used_blocks": ("int", True),
 }
 # (part, whole): a row's part can never exceed its whole
-_ROW_BOUNDS = (("cached_tokens", "prompt_tokens"), ("hit_blocks", "blocks"))
+_ROW_BOUNDS = (
+    ("cached_tokens", "prompt_tokens"),
+    ("hit_blocks", "blocks"),
+    ("tier_tokens", "cached_tokens"),
+    ("tier_blocks", "hit_blocks"),
+)
 # totals fields checked against the rows (the rest are derived and recomputed on load)
 _TOTALS_CHECKED = ("requests", "prompt_tokens", "cached_tokens")
 _ROW_DEFAULTS = Row._field_defaults
@@ -249,7 +263,7 @@ class _Reader:
             columns.append(col)
         rows = tuple(Row(*values) for values in zip(*columns))
         for part, whole in _ROW_BOUNDS:
-            bad = next((k for k, r in enumerate(rows) if getattr(r, part) > getattr(r, whole)), None)
+            bad = next((k for k, r in enumerate(rows) if (getattr(r, part) or 0) > getattr(r, whole)), None)
             if bad is not None:
                 p, w = getattr(rows[bad], part), getattr(rows[bad], whole)
                 raise self.fail(f"{where}.{part}[{bad}]", f"{p} is more than {whole} {w}")
@@ -276,8 +290,24 @@ class _Reader:
         if pool < 1:
             raise self.fail(f"{where}.pool_blocks", f"must be >= 1, got {pool}")
         partial = self.flag(raw, where)
+        tier = self.tier(raw, where)
         rows = self.rows(raw.get("rows"), f"{where}.rows", version)
-        return RunResult(Capacity(blocks), pool, bs, rows, partial)
+        given = [k for k, r in enumerate(rows) if r.tier_tokens is not None]
+        if tier is None and given:
+            raise self.fail(f"{where}.rows.tier_tokens[{given[0]}]", "set, but the run has no tier")
+        return RunResult(Capacity(blocks), pool, bs, rows, partial, tier)
+
+    def tier(self, raw: dict[str, Any], where: str) -> Capacity | None:
+        """A run's optional second tier: null (or absent) for none, else ``{"capacity_blocks": int | null}``."""
+        t = raw.get("tier")
+        if t is None:
+            return None
+        if not isinstance(t, dict):
+            raise self.fail(f"{where}.tier", f"expected an object or null, got {shown(t)}")
+        blocks = self.get(t, "capacity_blocks", f"{where}.tier", "int", nullable=True)
+        if blocks is not None and blocks < 1:
+            raise self.fail(f"{where}.tier.capacity_blocks", f"must be >= 1, got {blocks}")
+        return Capacity(blocks)
 
     def flag(self, d: dict[str, Any], where: str) -> bool:
         """The optional ``partial`` flag (default false)."""

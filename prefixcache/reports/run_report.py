@@ -40,6 +40,17 @@ SUMMARY_ROWS: list[tuple[str, Callable[[Totals], str]]] = [
     ("evicted blocks", lambda t: fmt.integer(t["evicted_blocks"])),
     ("peak pool occupancy", lambda t: fmt.pct(t["peak_pool_occupancy"])),
 ]
+TIER_ROWS: list[tuple[str, Callable[[Totals], str]]] = [  # runs with a second tier (``totals`` "tier")
+    (
+        "tier blocks",
+        lambda t: "unlimited" if t["tier_capacity_blocks"] is None else fmt.integer(t["tier_capacity_blocks"]),
+    ),
+    ("pool hit rate (tokens)", lambda t: fmt.pct(t["pool_token_hit_rate"])),
+    ("tier hit rate (tokens)", lambda t: fmt.pct(t["tier_token_hit_rate"])),
+    ("miss rate (tokens)", lambda t: fmt.pct(1 - t["token_hit_rate"] if t["prompt_tokens"] else 0.0)),
+    ("tokens from the pool / tier", lambda t: f"{fmt.integer(t['pool_tokens'])} / {fmt.integer(t['tier_tokens'])}"),
+    ("peak tier occupancy", lambda t: fmt.integer(t["peak_tier_blocks"]) + " blocks"),
+]
 TIMING_ROWS: list[tuple[str, Callable[[Totals], str]]] = [
     (
         f"TTFT p{q} cached / uncached",
@@ -66,7 +77,10 @@ TIMING_ROWS: list[tuple[str, Callable[[Totals], str]]] = [
 def summary(record: RunRecord) -> Table:
     """The summary: one metric per row, one column per capacity."""
     ts = record.totals()
-    spec = SUMMARY_ROWS + (TIMING_ROWS if any("ttft_cached_p50_s" in t for t in ts) else [])
+    spec = SUMMARY_ROWS[:]
+    if any(t.get("tier") for t in ts):  # a record has a tier in every run or in none
+        spec[6:6] = TIER_ROWS  # after the (pool + tier) hit rates
+    spec += TIMING_ROWS if any("ttft_cached_p50_s" in t for t in ts) else []
     return Table(
         ["metric", *(capacity_label(t) for t in ts)], [[name, *(f(t) for t in ts)] for name, f in spec], title(record)
     )

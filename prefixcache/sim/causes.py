@@ -38,9 +38,13 @@ Hash-id traces carry no tokens and their ids are chained (an id names its whole 
 new block nothing can be compared with earlier requests: there t = A_any and everything in [A_any, S) is
 ``cold``; ``diverged`` is always 0 and ``partial_block`` is the tail of lines that list only full blocks.
 
+With a second tier below the pool (``prefixcache.core.tier``), ``c`` counts what the pool and the tier served
+together: a block evicted from the pool but served by the tier is a hit, and ``evicted`` means gone from both
+(``not_cached``: its latest commit did not fit in the pool, and the tier does not hold it either).
+
 ``evicted`` blocks also get a reuse distance: ``reuse_blocks`` is the LRU stack distance of the request's
-deepest evicted block plus one, i.e. the smallest LRU capacity (blocks) that would have served every evicted
-token of the request (``prefixcache.sim.lru_stack``; exact for ``--eviction lru``, a guide for the others).
+deepest evicted block plus one, i.e. the smallest LRU capacity (blocks) of a pool alone that would have served
+every evicted token of the request (``prefixcache.sim.lru_stack``; exact for ``--eviction lru``, a guide for the others).
 
 Everything but the evicted / not_cached split depends only on the workload, so it is computed once per
 workload (:func:`workload_causes`, kept in ``CacheRequests.memo``) and shared by every capacity of a sweep;
@@ -330,14 +334,17 @@ class CauseTracker:
         self.failed: set[int] = set()  # blocks whose latest commit did not fit
         self.next = 0
 
-    def observe(self, i: int, cached: int, commit: CommitResult) -> Causes | None:
-        """The causes of request ``i``, served with ``cached`` tokens and committed as ``commit``."""
+    def observe(self, i: int, cached: int, commit: CommitResult, loaded: CommitResult | None = None) -> Causes | None:
+        """The causes of request ``i``, served with ``cached`` tokens (pool and second tier together) and committed
+        as ``commit``; ``loaded``: the commit that loaded the tier's blocks into the pool before it, if any."""
         if i != self.next:
             self.next = -1
             return None
         self.next = i + 1
         seen = self.seen_same[i]
         failed = self.failed
+        if failed and loaded is not None and loaded.block_ids:
+            failed.difference_update(self.wc.path(i)[loaded.first_block : loaded.cached_blocks])
         if seen == cached and not commit.not_cached and not failed:
             return self.intact[i]
         lost = seen - cached

@@ -20,6 +20,12 @@ modelled (prefix caching changes only prefill); requests without a timestamp arr
 Reported: per-replica requests, prefill tokens and busy time (their max/min), the queueing delay (p50/p99),
 and the cluster's token hit rate beside one global cache of N x C blocks (the bound any routing of N separate
 caches can reach).
+
+**A shared tier** (``ClusterSpec.tier``): one :class:`~prefixcache.core.tier.TierIndex` below every replica's
+pool (a Redis every replica writes through and reads), each replica following the tier protocol of
+``prefixcache.sim.replay``; what a replica finds there is loaded into its pool and not prefilled (the load's
+time is not modelled). The router sees the pools only (the tier is the same for every replica). The global
+bound then is one cache of N x C blocks above the same tier.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.core.events import CacheEvent
+from prefixcache.core.tier import TierIndex
 from prefixcache.sim.policy import Capacity, ReplayPolicy
 from prefixcache.sim.queueing import PrefillQueue, replica_delays
 from prefixcache.sim.replay import TIMESTAMP_UNIT_S, UNLIMITED_POOL_BLOCKS, Replayer, fewer_gc_passes, replay
@@ -72,6 +79,7 @@ class ClusterSpec:
     guard: LoadGuard = field(default_factory=lambda: LoadGuard(DEFAULT_GUARD_TOKENS, 1.5))
     load: LoadModel = field(default_factory=LoadModel)
     near: float = DEFAULT_NEAR_TOKENS
+    tier: Capacity | None = None  # a second tier shared by every replica (None: none; Capacity(None): no limit)
 
     def __post_init__(self) -> None:
         n = self.replicas
@@ -79,6 +87,8 @@ class ClusterSpec:
             raise ValueError(f"replicas must be an integer >= 1, got {n!r}")
         if self.router not in ROUTING_POLICIES:
             raise ValueError(f"unknown router {self.router!r}; known: {', '.join(ROUTING_POLICIES)}")
+        if self.tier is not None and not isinstance(self.tier, Capacity):
+            raise TypeError(f"tier must be a Capacity or None, got {self.tier!r}")
         self.routing()  # checks guard and near
 
     def routing(self) -> RoutingConfig:
@@ -127,6 +137,11 @@ class ClusterResult:
             "router": self.spec.router,
             "replicas": n,
             "capacity_blocks_per_replica": self.spec.capacity.blocks,
+            "shared_tier": self.spec.tier is not None,
+            "tier_capacity_blocks": t["tier_capacity_blocks"],
+            "pool_token_hit_rate": t["pool_token_hit_rate"],
+            "tier_token_hit_rate": t["tier_token_hit_rate"],
+            "tier_tokens": t["tier_tokens"],
             "prefill_rate": self.spec.load.prefill_rate,
             **queue.settings(),
             "requests": t["requests"],
@@ -178,7 +193,8 @@ def cluster_replay(
     router = make_policy(spec.router, spec.routing())
     index: ClusterIndex[int] = ClusterIndex()
     replicas = list(range(n))
-    nodes = [Replayer(reqs, pool, policy) for _ in replicas]
+    tier = None if spec.tier is None else TierIndex(spec.tier.blocks)
+    nodes = [Replayer(reqs, pool, policy, tier=tier) for _ in replicas]
     for r, node in enumerate(nodes):
         index.add_replica(r)
         if router.uses_index:
@@ -224,12 +240,13 @@ def cluster_replay(
                     on_row(row, r)
     except KeyboardInterrupt:
         partial = True
-    run = RunResult(spec.capacity, pool, reqs.block_size, tuple(rows), partial)
+    run = RunResult(spec.capacity, pool, reqs.block_size, tuple(rows), partial, spec.tier)
     delays = replica_delays(arrivals, tokens, chosen, rate, spec.load.queue)
     return ClusterResult(spec, run, tuple(chosen), tuple(reasons), tuple(delays), tuple(tokens), tuple(arrivals))
 
 
 def global_bound(reqs: CacheRequests, spec: ClusterSpec, policy: ReplayPolicy = ReplayPolicy()) -> RunResult:
-    """One cache of N x C blocks fed every request: what a perfect router over N caches could at best reach."""
+    """One cache of N x C blocks fed every request (above a tier like the cluster's shared one, if it has one):
+    what a perfect router over N caches could at best reach."""
     cap = Capacity(None if spec.capacity.blocks is None else spec.capacity.blocks * spec.replicas)
-    return replay(reqs, cap, policy)
+    return replay(reqs, cap, policy, tier=spec.tier)

@@ -10,6 +10,14 @@
 * answers: the capacity (blocks, tokens and, given a model, GB) that reaches 50/70/90% of the achievable
   hit rate (the unlimited-capacity one).
 
+With a second tier (``tiers``: :class:`TierRates` and the pool sizes to plan for), the RAM-and-disk answer: for
+each pool size P and share X of the achievable hit rate, the smallest tier T (blocks) at which a two-tier replay
+(``prefixcache.sim.replay``, the tier's write-through protocol, LRU) reaches X, found by bisection over replays
+(exact at block resolution where the hit rate grows with T; T = 0 when the pool alone reaches X), and its
+pool / tier / miss split, with time to first token estimated per request as ``uncached tokens / prefill rate +
+tier tokens / tier read rate`` (mean and percentiles over the measured requests; loading from the pool, and
+decoding, cost nothing here).
+
 Semantics switches: ``warmup`` (only requests after the first fraction count), ``weight`` ("tokens":
 cached prompt tokens / prompt tokens, or "blocks": hit blocks / looked-up blocks) and ``order`` ("file" or
 "timestamp": a stable sort, which interleaves kv-tester sessions).
@@ -17,6 +25,7 @@ cached prompt tokens / prompt tokens, or "blocks": hit blocks / looked-up blocks
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,10 +40,15 @@ from prefixcache.sim.optimal import next_uses, optimal_hits
 from prefixcache.sim.policy import Capacity, ReplayPolicy
 from prefixcache.sim.replay import replay
 from prefixcache.sim.requests import CacheRequests, from_trace
+from prefixcache.sim.results import percentile
 from prefixcache.workload.order import ordered
 from prefixcache.workload.trace import Trace
 
 FRACTIONS = (0.5, 0.7, 0.9)
+# PLACEHOLDERS until measured on this machine's `small` model (bench_ttft): prefill rate (tokens/s) and a tier's
+# read rate (bytes/s)
+DEFAULT_PREFILL_RATE = 1_000.0
+DEFAULT_TIER_READ_BYTES = 2e9
 
 
 def replay_rate(reqs: CacheRequests, capacity: int, policy: ReplayPolicy, weight: str) -> float:
@@ -89,6 +103,7 @@ class Plan:
     lru: HitCurve = field(repr=False)
     seconds: dict[str, float] = field(default_factory=dict)
     keep_for: float | None = None
+    tiers: TierPlan | None = None  # the RAM-and-disk answers (None: not asked for)
 
     def gb(self, blocks: int) -> float | None:
         """GB of KV for ``blocks`` blocks of this plan's model (None without a model)."""
@@ -97,6 +112,175 @@ class Plan:
     @property
     def curve_names(self) -> list[str]:
         return list(self.rates)
+
+
+@dataclass(frozen=True)
+class TierRates:
+    """What time to first token is estimated from: ``prefill_rate`` tokens per second, and a tier read rate of
+    ``read_bytes`` bytes per second (turned into tokens with ``bytes_per_token``, the model's KV per token) or
+    ``read_tokens`` tokens per second (exactly one of the two)."""
+
+    prefill_rate: float = DEFAULT_PREFILL_RATE
+    read_bytes: float | None = DEFAULT_TIER_READ_BYTES
+    read_tokens: float | None = None
+    bytes_per_token: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_rate", "read_bytes", "read_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+                raise ValueError(f"{name} must be a positive number per second, got {v!r}")
+        if (self.read_bytes is None) == (self.read_tokens is None):
+            raise ValueError("give the tier read rate in bytes/s or in tokens/s (exactly one)")
+        if self.read_bytes is not None and self.bytes_per_token is None:
+            raise ValueError("a read rate in bytes/s needs the model's KV bytes per token")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The tier read rate in tokens per second."""
+        if self.read_tokens is not None:
+            return self.read_tokens
+        assert self.read_bytes is not None and self.bytes_per_token is not None
+        return self.read_bytes / self.bytes_per_token
+
+    def ttft_s(self, uncached_tokens: int, tier_tokens: int) -> float:
+        """One request's estimated time to first token: its prefill plus reading the tier's tokens."""
+        return uncached_tokens / self.prefill_rate + tier_tokens / self.tokens_per_s
+
+
+@dataclass(frozen=True)
+class TierPoint:
+    """One two-tier replay: a pool of ``pool_blocks`` above a tier of ``tier_blocks`` (0: no tier), its hit
+    rates (the plan's weight: pool + tier, and each part; ``miss_rate`` = 1 - ``rate``) and estimated TTFT."""
+
+    pool_blocks: int
+    tier_blocks: int
+    rate: float
+    pool_rate: float
+    tier_rate: float
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+
+    @property
+    def miss_rate(self) -> float:
+        return 1.0 - self.rate
+
+
+@dataclass(frozen=True)
+class TierAnswer:
+    """The smallest tier that, below a pool of ``pool_blocks``, reaches ``fraction`` of the achievable hit rate:
+    ``point`` is its replay (``point.tier_blocks`` 0: the pool alone does; None: not reached even by a tier that
+    holds the working set)."""
+
+    fraction: float
+    target_rate: float
+    pool_blocks: int
+    point: TierPoint | None
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """The RAM-and-disk answers: per pool size, ``pool_only`` (no tier) and an answer per fraction; ``no_cache``:
+    the estimated TTFT with no cache at all; ``replays``: the two-tier replays it took."""
+
+    rates: TierRates
+    pools: tuple[int, ...]
+    pool_only: tuple[TierPoint, ...]
+    answers: tuple[TierAnswer, ...]
+    no_cache: TierPoint
+    replays: int
+
+
+def tier_point(
+    reqs: CacheRequests, pool: int, tier: int, policy: ReplayPolicy, weight: str, rates: TierRates
+) -> TierPoint:
+    """Replay ``reqs`` through a pool of ``pool`` blocks above a tier of ``tier`` blocks (0: none; the LRU
+    policy's warm-up) and estimate TTFT. Changes nothing."""
+    run = replay(reqs, Capacity(pool), policy, causes=False, tier=Capacity(tier) if tier else None)
+    t = run.totals()
+    key = "token" if weight == "tokens" else "block"
+    ttft = [rates.ttft_s(r.prompt_tokens - r.cached_tokens, r.tier_tokens or 0) for r in run.rows if not r.warmup]
+    return TierPoint(
+        pool,
+        tier,
+        float(t[f"{key}_hit_rate"]),
+        float(t[f"pool_{key}_hit_rate"]) if tier else float(t[f"{key}_hit_rate"]),
+        float(t[f"tier_{key}_hit_rate"]) if tier else 0.0,
+        sum(ttft) / len(ttft) if ttft else 0.0,
+        percentile(ttft, 50) or 0.0,
+        percentile(ttft, 90) or 0.0,
+    )
+
+
+def plan_tiers(
+    reqs: CacheRequests,
+    pools: Sequence[int],
+    rates: TierRates,
+    *,
+    working_set: int,
+    unlimited: float,
+    weight: str = "tokens",
+    warmup: float = 0.0,
+    fractions: Sequence[float] = FRACTIONS,
+    guess: Callable[[float], int | None] = lambda frac: None,
+) -> TierPlan:
+    """For each pool size (blocks) and fraction: the smallest tier reaching ``fraction * unlimited`` (module
+    docstring). ``working_set``: the distinct blocks (a tier that size never evicts); ``guess(fraction)``: where
+    to start looking (e.g. the single-cache LRU answer). Changes nothing."""
+    policy = ReplayPolicy("lru", None, warmup)
+    memo: dict[tuple[int, int], TierPoint] = {}
+
+    def at(pool: int, tier: int) -> TierPoint:
+        if (pool, tier) not in memo:
+            memo[pool, tier] = tier_point(reqs, pool, tier, policy, weight, rates)
+        return memo[pool, tier]
+
+    W = max(1, working_set)
+    answers: list[TierAnswer] = []
+    pool_only: list[TierPoint] = []
+    for pool in pools:
+        pool_only.append(at(pool, 0))
+        for frac in fractions:
+            target = frac * unlimited - 1e-12
+
+            def reaches(t: int, pool: int = pool, target: float = target) -> bool:
+                return at(pool, t).rate >= target
+
+            tier = 0 if reaches(0) else _smallest(reaches, W, guess(frac))
+            answers.append(TierAnswer(frac, frac * unlimited, pool, None if tier is None else at(pool, tier)))
+    # no cache: every measured prompt token is prefilled
+    ttft = [rates.ttft_s(n, 0) for n in reqs.prompt_tokens[policy.measured_from(len(reqs)) :]]
+    mean = sum(ttft) / len(ttft) if ttft else 0.0
+    no_cache = TierPoint(0, 0, 0.0, 0.0, 0.0, mean, percentile(ttft, 50) or 0.0, percentile(ttft, 90) or 0.0)
+    return TierPlan(rates, tuple(pools), tuple(pool_only), tuple(answers), no_cache, len(memo))
+
+
+def _smallest(ok: Callable[[int], bool], hi: int, guess: int | None) -> int | None:
+    """The smallest t in [1, hi] with ``ok(t)``, by bisection (``ok`` is taken to be monotone), starting with a
+    bracket galloped from ``guess`` (first step ``guess // 256``); None when ``ok(hi)`` fails."""
+    if not ok(hi):
+        return None
+    lo = 0  # ok(lo) is False (0: by the caller), ok(hi) is True
+    if guess is not None and 1 <= guess < hi:
+        first = max(1, guess // 256)
+        if ok(guess):
+            hi, step = guess, first
+            while hi - step > lo and ok(hi - step):  # gallop down
+                hi, step = hi - step, step * 2
+            lo = max(lo, hi - step)
+        else:
+            lo, step = guess, first
+            while lo + step < hi and not ok(lo + step):  # gallop up
+                lo, step = lo + step, step * 2
+            hi = min(hi, lo + step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _rate_of(hits: int, weight: str, curve: HitCurve) -> float:
@@ -117,12 +301,16 @@ def make_plan(
     keep_for: float | None = None,
     fractions: Sequence[float] = FRACTIONS,
     progress: Callable[[str], None] | None = None,
+    pools: Sequence[int] = (),
+    tier_rates: TierRates | None = None,
 ) -> Plan:
     """Compute the plan for ``trace`` (a ``prefixcache.trace.Trace``). Changes nothing.
 
     ``policies``: names in the eviction registry ("lru" comes from the one-pass curve, the rest from one
     replay per grid capacity); ``points``: size of the log grid; ``bound``: compute the optimal bound;
-    ``keep_for``: seconds of retention each request asks for (used by the "priority" policy's replays).
+    ``keep_for``: seconds of retention each request asks for (used by the "priority" policy's replays);
+    ``pools``: pool sizes (blocks) to plan a second tier below (with ``tier_rates``, default ``TierRates()``
+    with the model's bytes per token), LRU, in the plan's weight and warm-up.
     """
     if weight not in WEIGHTS:
         raise ValueError(f"weight must be one of {', '.join(WEIGHTS)}, got {weight!r}")
@@ -207,6 +395,24 @@ def make_plan(
                     lo = mid + 1
             answers.append(answer("optimal", frac, lo, True))
         seconds["optimal"] = time.perf_counter() - t
+    tiers = None
+    if pools:
+        t = time.perf_counter()
+        say(f"planning a second tier below {len(pools)} pool size(s) (two-tier replays, bisected)")
+        rates_ = tier_rates or TierRates(bytes_per_token=None if model is None else model.bytes_per_token)
+        lru_answer = {a.fraction: a.capacity_blocks for a in answers if a.curve == "lru"}
+        tiers = plan_tiers(
+            reqs,
+            pools,
+            rates_,
+            working_set=W,
+            unlimited=unlimited,
+            weight=weight,
+            warmup=warmup,
+            fractions=fractions,
+            guess=lambda frac: lru_answer.get(frac),
+        )
+        seconds["tiers"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t0
     return Plan(
         str(getattr(trace, "path", "")),
@@ -225,4 +431,5 @@ def make_plan(
         curve,
         seconds,
         keep_for,
+        tiers,
     )

@@ -45,6 +45,11 @@ class Row(NamedTuple):
     reuse_blocks: int | None = None  # LRU capacity (blocks) that would have kept every evicted block
     shared_tokens: int | None = None  # the longest common prefix with any earlier request's sequence
     shared_with: int | None = None  # that earlier request
+    # the second tier (prefixcache.core.tier; None: replayed without one). ``cached_tokens`` and ``hit_blocks``
+    # count every token and block served without prefill, pool and tier together; these are the tier's part
+    tier_tokens: int | None = None  # tokens the tier served (loaded into the pool before the suffix)
+    tier_blocks: int | None = None  # blocks the tier served
+    tier_used_blocks: int | None = None  # blocks the tier holds after this request
 
 
 ROW_FIELDS: tuple[str, ...] = Row._fields
@@ -57,6 +62,8 @@ CAUSE_FIELDS: dict[str, str] = {  # cause -> its Row field, in the order of pref
     "not_cached": "not_cached_tokens",
 }
 NO_CAUSES: tuple[None, ...] = (None,) * 9  # the cause fields of a row that was not analysed
+TIER_FIELDS: tuple[str, ...] = ("tier_tokens", "tier_blocks", "tier_used_blocks")
+NO_TIER: tuple[None, ...] = (None,) * len(TIER_FIELDS)  # the tier fields of a row replayed without a tier
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ class RunResult:
     """The rows of one replay at one capacity; ``partial`` when it was stopped early.
 
     ``pool_blocks`` is the pool the replay really used (for an unlimited capacity: one big enough that
-    nothing was ever evicted).
+    nothing was ever evicted). ``tier``: the second tier's capacity (None: no tier; ``Capacity(None)``: a tier
+    without a limit).
     """
 
     capacity: Capacity
@@ -72,6 +80,7 @@ class RunResult:
     block_size: int
     rows: tuple[Row, ...]
     partial: bool = False
+    tier: Capacity | None = None
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -83,7 +92,7 @@ class RunResult:
 
     @cached_property
     def _totals(self) -> dict[str, Any]:
-        return totals(self.rows, self.capacity, self.pool_blocks, self.block_size, cols=self.columns)
+        return totals(self.rows, self.capacity, self.pool_blocks, self.block_size, cols=self.columns, tier=self.tier)
 
     @cached_property
     def columns(self) -> dict[str, tuple[Any, ...]]:
@@ -114,9 +123,11 @@ def totals(
     block_size: int,
     *,
     cols: dict[str, tuple[Any, ...]] | None = None,
+    tier: Capacity | None = None,
 ) -> dict[str, Any]:
-    """Sums and rates over the measured (non-warm-up) rows (``cols``: their ``columns``, when made already).
-    Changes nothing."""
+    """Sums and rates over the measured (non-warm-up) rows (``cols``: their ``columns``, when made already;
+    ``tier``: the second tier's capacity, None without one). ``cached_tokens``, ``hit_blocks`` and their rates
+    count pool and tier together; ``pool_*`` and ``tier_*`` split them (None without a tier). Changes nothing."""
     rows = list(rows)
     c = columns(rows) if cols is None else cols
     if True in c["warmup"]:
@@ -148,6 +159,7 @@ def totals(
         "peak_pool_blocks": peak,
         "peak_pool_occupancy": None if capacity.blocks is None else peak / pool_blocks,
     }
+    t.update(_tier_totals(c, tier, block_size, prompt, cached, blocks, hit_blocks))
     analysed = n > 0 and not any(None in c[f] for f in CAUSE_FIELDS.values())
     t["uncached_tokens"] = prompt - cached
     for f in CAUSE_FIELDS.values():
@@ -173,3 +185,46 @@ def totals(
         t["outputs_checked"] = len(checked)
         t["outputs_mismatched"] = sum(1 for ok in checked if not ok)
     return t
+
+
+def _tier_totals(
+    c: dict[str, tuple[Any, ...]],
+    tier: Capacity | None,
+    block_size: int,
+    prompt: int,
+    cached: int,
+    blocks: int,
+    hit_blocks: int,
+) -> dict[str, Any]:
+    """The pool / tier split of the served tokens and blocks (all None without a tier)."""
+    keys = (
+        "tier_capacity_blocks",
+        "tier_capacity_tokens",
+        "pool_tokens",
+        "tier_tokens",
+        "pool_token_hit_rate",
+        "tier_token_hit_rate",
+        "pool_hit_blocks",
+        "tier_hit_blocks",
+        "pool_block_hit_rate",
+        "tier_block_hit_rate",
+        "peak_tier_blocks",
+    )
+    if tier is None:
+        return {"tier": False, **dict.fromkeys(keys)}
+    tier_tokens = sum(v or 0 for v in c["tier_tokens"])
+    tier_blocks = sum(v or 0 for v in c["tier_blocks"])
+    values = (
+        tier.blocks,
+        tier.tokens(block_size),
+        cached - tier_tokens,
+        tier_tokens,
+        (cached - tier_tokens) / prompt if prompt else 0.0,
+        tier_tokens / prompt if prompt else 0.0,
+        hit_blocks - tier_blocks,
+        tier_blocks,
+        (hit_blocks - tier_blocks) / blocks if blocks else 0.0,
+        tier_blocks / blocks if blocks else 0.0,
+        max((v or 0 for v in c["tier_used_blocks"]), default=0),
+    )
+    return {"tier": True, **dict(zip(keys, values))}

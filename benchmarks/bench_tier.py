@@ -74,15 +74,8 @@ def _simulated(capacity: int) -> dict[str, Any]:
         cmd += ["--tier-capacity", "unlimited", "--json", str(out), "--no-progress"]
         subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
         record = json.loads(out.read_text())
-    run = record["runs"][0]
-    rows = run["rows"]
-    fields = run.get("row_fields") or record.get("row_fields")
-    if fields is not None and rows and isinstance(rows[0], list):
-        rows = [dict(zip(fields, r)) for r in rows]
-    return {
-        "cached_tokens": [r["cached_tokens"] for r in rows],
-        "tier_tokens": [r.get("tier_tokens") or 0 for r in rows],
-    }
+    cols = record["runs"][0]["rows"]  # columns: field -> one value per request
+    return {"cached_tokens": cols["cached_tokens"], "tier_tokens": [t or 0 for t in cols["tier_tokens"]]}
 
 
 def part_replay(model: str) -> dict[str, Any]:

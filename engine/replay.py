@@ -275,6 +275,9 @@ def _replay_one(
                 None,  # no reuse distances: the wrapper learns its requests as they come
                 rs.shared_tokens,
                 rs.shared_with,
+                None if pcm.tier is None else rs.tier_tokens,
+                None if pcm.tier is None else rs.tier_tokens // bs,
+                None if pcm.tier is None else pcm.tier.num_blocks,
             )
             if forks is not None and rs.divergence is not None:
                 forks[i] = rs.divergence

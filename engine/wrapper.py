@@ -59,7 +59,8 @@ _BATCH_SHAPED_KWARGS = ("position_ids", "token_type_ids", "cache_position", "dec
 
 @dataclass(frozen=True)
 class RowStats:
-    """One batch row of the last ``generate`` call: prompt length, tokens served from cache, blocks added, and
+    """One batch row of the last ``generate`` call: prompt length, tokens served from cache (pool and tier), blocks
+    added (the tier's loaded ones included), and
     why the other prompt tokens missed (``prefixcache.sim.causes``; they sum to prompt - cached): the wrapper
     remembers what it committed, up to ``HISTORY_FACTOR`` times its pool in tokens (older content counts as
     cold); ``shared_tokens``/``shared_with``: the longest prefix it shares with an earlier row (numbered from
@@ -756,7 +757,7 @@ class PrefixCachedModel:
             if self._epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
                 inserted = self._commit_or_drop(out, cache, matches, pads, width, gc, live)
             self.last_request_stats = tuple(
-                RowStats(len(row), m.cached_tokens, n, *lr.causes[:6], *lr.causes[7:], lr.fork, t * self.block_size)
+                RowStats(len(row), m.cached_tokens, n + t, *lr.causes[:6], *lr.causes[7:], lr.fork, t * self.block_size)
                 for row, m, n, lr, t in zip(rows, matches, inserted, live, tiered)
             )
             return out
@@ -850,17 +851,18 @@ class PrefixCachedModel:
                 end = start + len(res.block_ids) * self.block_size
                 self._pool.scatter(res.block_ids, hf_cache.read_kv(cache, start, end, row=i))
                 inserted[r] += len(res.block_ids)
-                if self.tier is not None:
-                    self._tier_save(matches[r].handle.namespace, committed, res.first_block, res.block_ids)
+            if self.tier is not None:  # also when nothing is new: the path's recency moves
+                self._tier_save(matches[r].handle.namespace, committed, res.first_block, res.block_ids)
         return inserted
 
     def _tier_save(self, namespace: str, tokens: Any, first: int, block_ids: Sequence[int]) -> None:
-        """Write through: hand the blocks ``first..`` of ``tokens`` just committed (pool ``block_ids``) to the tier."""
+        """Write through: hand the path the pool holds for ``tokens`` to the tier, its blocks ``first..`` just
+        committed to pool ``block_ids`` (``prefixcache.core.tier``'s step 4)."""
         assert self.tier is not None
         bs, stop = self.block_size, first + len(block_ids)
         keys: list[bytes] = []
         extend_keys(keys, tokens, namespace, bs, self.cache.config.hash_seed, stop)
-        self.tier.save(self._pool, keys[first:stop], block_tokens(tokens, bs, first, stop), block_ids)
+        self.tier.save(self._pool, keys, first, block_tokens(tokens, bs, first, stop), block_ids)
 
     def _new_tokens_bound(self, gc, kwargs: dict, prompt_len: int) -> int:
         """Tokens generate may append after the prompt, as far as worth reserving room for."""

@@ -51,7 +51,7 @@ class ListTier:
         return n
 
     def add(self, keys, count: bool = True) -> list:
-        for k in keys:
+        for k in reversed(keys):
             if k in self.items:
                 self._touch(k)
             else:
@@ -61,6 +61,17 @@ class ListTier:
         while self.cap is not None and len(self.items) > self.cap:
             out.append(self.items.pop(0))
         self.evicted += len(out) if count else 0
+        return out
+
+    def restore(self, keys) -> list:
+        for k in keys:  # oldest first, as a store lists them
+            if k in self.items:
+                self._touch(k)
+            else:
+                self.items.append(k)
+        out = []
+        while self.cap is not None and len(self.items) > self.cap:
+            out.append(self.items.pop(0))
         return out
 
     def discard(self, k) -> bool:
@@ -90,7 +101,7 @@ def test_tier_index_is_the_list_model(cap, program):
         if op[0] == "add":
             assert tier.add(op[1]) == model.add(op[1])
         elif op[0] == "restore":
-            assert tier.restore(op[1]) == model.add(op[1], count=False)
+            assert tier.restore(op[1]) == model.restore(op[1])
         elif op[0] == "lookup":
             assert tier.lookup(op[1], op[2], op[3]) == model.lookup(op[1], op[2], op[3])
         else:
@@ -163,7 +174,7 @@ def brute_two_tier(requests, pools, tier_cap, route=lambda i: 0):
         fit = pool.insert(ids, start, len(ids), set(ids[:start]))
         pool.touch(ids, start + fit)
         if tier_cap != 0:
-            tier.add(keys[start : start + fit])
+            tier.add(keys[: start + fit])
         out.append((p + t, t, min((p + t) * bs, n)))
     return out
 
@@ -372,21 +383,25 @@ def two_conversations(tmp_path):
 
 
 def test_plan_tier_answer_by_hand(tmp_path):
-    # Pool of 3 blocks: each request evicts the other's 3 blocks, so the pool alone never hits. The tier gets
-    # 1 2 3, then 4 5 6; request 3 finds 1 2 3 there only if the tier holds all 6 (with 5 it has lost block 1,
-    # and a lookup stops at the first missing block); then request 4 finds 4 5 6. So every share of the
-    # achievable 6/12 needs a tier of exactly 6 blocks: pool 0%, tier 50%, miss 50%. TTFT at 1,000 prefill
-    # tokens/s and 100 tier tokens/s: 3 ms, 3 ms, 30 ms, 30 ms (mean 16.5 ms, p50 16.5 ms, p90 30 ms); no cache
-    # 3 ms each.
+    # Pool of 3 blocks: each request evicts the other's 3 blocks, so the pool alone never hits; a lookup may serve
+    # all 3 hash ids of a trace request. The tier adds a path deepest block first (its root ends most recent), so
+    # a full tier drops a chain's tail first. Tier of 6: requests 3 and 4 get all 3 blocks from it (6/12, the
+    # achievable rate). Tier of 5 (by hand): after
+    # requests 1-2 it holds 2 1 6 5 4 (3 was evicted); request 3 gets 1 2; adding 1 2 3 evicts 6; request 4 gets
+    # 4 5: 4 of 12 tokens, two thirds of the achievable rate (enough for 50%, not 70%). Tier of 4: request 3
+    # gets 1 only, request 4 gets 4 only: a third. So the answers are 5, 6, 6 blocks.
+    # TTFT at 1,000 prefill tokens/s and 100 tier tokens/s with the 6-block tier: 3 ms, 3 ms, 30 ms, 30 ms (mean
+    # 16.5 ms, p50 16.5 ms, p90 30 ms); no cache 3 ms each.
     tr = load_trace(two_conversations(tmp_path), 1)
     plan = make_plan(tr, pools=[3], tier_rates=TierRates(read_bytes=None, read_tokens=100.0), bound=False)
     tp = plan.tiers
     assert plan.unlimited_rate == 0.5
     assert tp.pool_only[0].rate == 0.0 and tp.pool_only[0].ttft_mean_s == pytest.approx(0.003)
-    assert [a.point.tier_blocks for a in tp.answers] == [6, 6, 6]
-    p = tp.answers[0].point
-    assert (p.pool_rate, p.tier_rate, p.miss_rate) == (0.0, 0.5, 0.5)
-    assert (p.ttft_mean_s, p.ttft_p50_s, p.ttft_p90_s) == pytest.approx((0.0165, 0.0165, 0.03))
+    assert [a.point.tier_blocks for a in tp.answers] == [5, 6, 6]
+    p5, p6 = tp.answers[0].point, tp.answers[1].point
+    assert (p5.pool_rate, p5.tier_rate, p5.miss_rate) == pytest.approx((0.0, 4 / 12, 8 / 12))
+    assert (p6.pool_rate, p6.tier_rate, p6.miss_rate) == (0.0, 0.5, 0.5)
+    assert (p6.ttft_mean_s, p6.ttft_p50_s, p6.ttft_p90_s) == pytest.approx((0.0165, 0.0165, 0.03))
     assert tp.no_cache.ttft_mean_s == pytest.approx(0.003)
     # a pool of 6 needs no tier
     plan = make_plan(tr, pools=[6], tier_rates=TierRates(read_bytes=None, read_tokens=100.0), bound=False)
@@ -428,7 +443,7 @@ def test_cli_plan_with_pool_capacity(tmp_path):
     assert r.exit_code == 0, r.output
     assert "RAM and disk" in r.output
     d = json.loads(out.read_text())["tiers"]
-    assert d["read_tokens_per_s"] == 100.0 and [a["tier_blocks"] for a in d["answers"]] == [6, 6, 6]
+    assert d["read_tokens_per_s"] == 100.0 and [a["tier_blocks"] for a in d["answers"]] == [5, 6, 6]  # by hand: above
     r = runner.invoke(app, ["plan", str(path), "--block-size", "1", "--pool-capacity", "3", "--no-bound"])
     assert r.exit_code == 0 and "small model" in r.output  # bytes/s by default: the small model's KV size
 

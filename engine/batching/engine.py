@@ -310,12 +310,12 @@ class Engine:
         res = self.cache.commit_blocks(req.handle, req.tokens[: full * bs], req.table)
         req.table[: len(res.table)] = res.table
         req.committed = len(res.table)
-        if self.tier is not None and res.adopted:
+        if self.tier is not None:  # the path the pool holds (its new blocks written, the rest refreshed)
             stop = len(res.table)
             start = stop - res.adopted
             extend_keys(req.tier_keys, req.tokens, req.namespace, bs, self.cache.config.hash_seed, stop)
             self.tier.save(
-                self.pool, req.tier_keys[start:stop], block_tokens(req.tokens, bs, start, stop), res.table[start:stop]
+                self.pool, req.tier_keys[:stop], start, block_tokens(req.tokens, bs, start, stop), res.table[start:stop]
             )
 
     def _from_tier(self, req: Request) -> None:

@@ -229,30 +229,36 @@ class KVTier:
         return i
 
     # ---- write-through -------------------------------------------------------------------------------------
-    def save(self, pool: Any, keys: Sequence[bytes], tokens: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """Hold the pool blocks ``block_ids`` (just committed; ``keys`` and token bytes ``tokens``) in the tier:
-        queue the ones it lacks for the writer (copying their K/V now), refresh the rest; evict beyond the
-        budget. Skips (and counts) the writes when the queue is full or the store unavailable."""
+    def save(
+        self, pool: Any, keys: Sequence[bytes], first: int, tokens: Sequence[bytes], block_ids: Sequence[int]
+    ) -> None:
+        """Hold the path ``keys`` (root first) that the pool now caches, whose blocks ``first..`` were just
+        committed to pool ``block_ids`` (their token bytes ``tokens``): queue the new ones the tier lacks for the
+        writer (copying their K/V now) and refresh the path (``TierIndex.add``: deepest first); evict beyond the
+        budget. Skips (and counts) the writes when the queue is full or the store is unavailable."""
         if not keys or self.store.readonly:
             return
         index = self.index
         with self._cv:
-            new = [j for j, k in enumerate(keys) if index is None or k not in index]
-            if index is not None and len(new) < len(keys):
-                index.add([k for k in keys if k in index])
-            if not new:
-                return
-            if self._queued + len(new) * self.kv_bytes > self.max_queue_bytes or not self._available():
+            new = [j for j in range(len(block_ids)) if index is None or keys[first + j] not in index]
+            skip = bool(new) and (
+                self._queued + len(new) * self.kv_bytes > self.max_queue_bytes or not self._available()
+            )
+            if skip:
                 self.counters.write_skipped += len(new)
+                if index is not None:
+                    lost = {keys[first + j] for j in new}
+                    index.add([k for k in keys if k not in lost])
                 return
-        rows = read_rows(pool, [block_ids[j] for j in new], self.binding)
+        rows = read_rows(pool, [block_ids[j] for j in new], self.binding) if new else None
         with self._cv:
             for r, j in enumerate(new):
-                self._pending[keys[j]] = (tokens[j], rows, r)
-                self._ops.append(("put", keys[j]))
+                assert rows is not None
+                self._pending[keys[first + j]] = (tokens[j], rows, r)
+                self._ops.append(("put", keys[first + j]))
             self._queued += len(new) * self.kv_bytes
             if index is not None:
-                for old in index.add([keys[j] for j in new]):
+                for old in index.add(list(keys)):
                     assert isinstance(old, bytes)
                     self._pending.pop(old, None)
                     self._ops.append(("del", old))

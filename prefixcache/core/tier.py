@@ -12,8 +12,11 @@ keys mode):
 3. the caller loads those ``t`` blocks into the pool by committing the prompt's first ``p + t`` blocks
    (``cache.commit(handle, prompt[: (p + t) * block_size])``) and writing their K/V into the new block ids
    (a real tier may find an entry torn: it loads the ones before it and ``discard`` s the rest);
-4. the rest is computed; the final commit inserts the new blocks, and ``tier.add(their keys)`` holds them,
-   evicting the least recently used keys beyond ``capacity_blocks`` (returned, for a store to delete).
+4. the rest is computed; the final commit inserts the new blocks, and ``tier.add(keys[: c.cached_blocks])``
+   (the whole path the pool now holds) holds the new ones and refreshes the rest, deepest block first, so a
+   path's root is its most recent block and eviction takes a chain's tail before its root (the tier then
+   evicts exactly as one LRU cache of its size would); the keys evicted beyond ``capacity_blocks`` are returned
+   for a store to delete.
 
 Model-free: it knows keys, not bytes. Not thread-safe: callers serialise (as for ``PrefixCache``).
 """
@@ -85,12 +88,13 @@ class TierIndex:
         s.hit_blocks += n
         return n
 
-    def add(self, keys: Iterable[Hashable]) -> list[Hashable]:
-        """Hold ``keys`` (most recent, in order; a held key is refreshed, not counted again); returns the keys
-        evicted, least recent first, to keep within ``capacity_blocks``."""
+    def add(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        """Hold the path ``keys`` (root first): each becomes most recent, the last key first, so the root ends
+        most recent (a held key is refreshed, not counted again); returns the keys evicted, least recent first,
+        to keep within ``capacity_blocks``."""
         lru = self._lru
         added = 0
-        for key in keys:
+        for key in reversed(keys):
             if key in lru:
                 lru.move_to_end(key)
             else:
@@ -108,10 +112,15 @@ class TierIndex:
     def restore(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """Hold ``keys`` found in a store at start-up (least recent first), counting nothing; returns the keys
         beyond ``capacity_blocks`` (the oldest), which the caller deletes."""
-        stored = self.stats.stored_blocks
-        evicted = self.add(keys)
-        self.stats.stored_blocks = stored
-        self.stats.evicted_blocks -= len(evicted)
+        lru = self._lru
+        for key in keys:
+            lru[key] = None
+            lru.move_to_end(key)
+        evicted: list[Hashable] = []
+        cap = self.capacity_blocks
+        if cap is not None:
+            while len(lru) > cap:
+                evicted.append(lru.popitem(last=False)[0])
         return evicted
 
     def discard(self, key: Hashable) -> bool:

@@ -20,7 +20,8 @@ keys of the sequence it commits (:func:`tier_keys`) and ``limit`` the blocks a m
    served the blocks that commit cached, ``t' = c1.cached_blocks - p`` (all ``t`` of them unless the pool
    cannot hold the request's path: a block that does not fit is computed);
 4. the final commit as without a tier (prompt + reply; the hash ids), ``release``, then
-   ``tier.add(keys[c.first_block : c.cached_blocks])``: the blocks the final commit inserted.
+   ``tier.add(keys[: c.cached_blocks])``: the path the pool now holds (new blocks held, the rest refreshed,
+   deepest first: the tier evicts as one LRU cache of its size would).
 
 The row's ``cached_tokens`` / ``hit_blocks`` are the pool's and the tier's together (``(p + t')`` blocks;
 tokens: ``min((p + t') * block_size, n)``), ``tier_tokens`` / ``tier_blocks`` the tier's part,
@@ -206,7 +207,7 @@ class Replayer:
                 c = cache.commit(m.handle, reqs.commits[i], keep_for=keep_for)
         finally:
             cache.release(m.handle)
-        tier.add(keys[c.first_block : c.cached_blocks])
+        tier.add(keys[: c.cached_blocks])
         hit = p + t
         cached = min(hit * bs, n)
         causes = None if self.causes is None else self.causes.observe(i, cached, c, loaded)

@@ -62,6 +62,10 @@ def _replay(model: str, capacity: int | None, disk: Path | None, baseline: bool)
         "tier_tokens": [getattr(r, "tier_tokens", 0) or 0 for r in rows],
         "outputs_match": None if not baseline else all(r.outputs_match for r in rows),
         "uncached_ttft_p50_s": _p50([r.ttft_uncached_s for r in rows]) if baseline else None,
+        # plan's rates: prompt tokens per second of uncached TTFT (the whole prompt prefilled), tier bytes read per s
+        "prefill_tokens_per_s": (sum(r.prompt_tokens for r in rows) / sum(r.ttft_uncached_s for r in rows))
+        if baseline
+        else None,
         "tier": info.get("tier"),
     }
 
@@ -83,7 +87,11 @@ def part_replay(model: str) -> dict[str, Any]:
         off = _replay(model, POOL_TOKENS, None, baseline=False)
         on = _replay(model, POOL_TOKENS, Path(d), baseline=True)
     sim = _simulated(POOL_TOKENS)
+    tier = next(iter((on["tier"] or {}).values()), {})
+    read_rate = tier["tier_read_bytes"] / tier["tier_read_s"] if tier.get("tier_read_s") else None
     return {
+        "prefill_tokens_per_s": on["prefill_tokens_per_s"],
+        "tier_read_bytes_per_s": read_rate,
         "off": off,
         "on": on,
         "ttft_p50_ratio": on["ttft_p50_s"] / off["ttft_p50_s"],
@@ -242,6 +250,12 @@ def main() -> None:
             "",
         )
         table.add_row("  hits equal simulate's two-tier prediction", str(r["matches_simulate"]), "True")
+        rate = r["tier_read_bytes_per_s"]
+        table.add_row(
+            "  prefill rate; tier read rate (plan's inputs)",
+            f"{r['prefill_tokens_per_s']:,.0f} tok/s; {rate / 1e9 if rate else 0:.2f} GB/s",
+            "",
+        )
     if "restart" in out:
         r = out["restart"]
         table.add_row("restart: repeated / cold TTFT", f"{r['repeat_over_cold']:.3f}x", "<= 0.3x")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.memory import PoolTooLargeError
 from engine.models import PRESETS, load_model
 from engine.wrapper import PrefixCachedModel
 from prefixcache.reports.record import TOP_SITES
@@ -163,7 +164,16 @@ def replay(
         nb = unl if cap.blocks is None else min(cap.blocks, unl)
         if on_start is not None:
             on_start(cap, len(scenario))
-        pcm = PrefixCachedModel(hf_model, max_cached_tokens=nb * block_size, block_size=block_size, eviction=eviction)
+        try:
+            pcm = PrefixCachedModel(
+                hf_model,
+                max_cached_tokens=nb * block_size,
+                block_size=block_size,
+                eviction=eviction,
+                miss_history_tokens="unlimited",  # causes that do not depend on the pool's size
+            )
+        except PoolTooLargeError as exc:
+            raise ReplayError(f"capacity {cap.label(block_size)}: {exc}") from None
         res = _replay_one(
             scenario,
             pcm,

@@ -159,3 +159,65 @@ def test_verify_fails_when_the_cache_serves_wrong_kv(monkeypatch, tiny, handwrit
     monkeypatch.setattr(KVPool, "gather_into", real)
     r = CliRunner().invoke(cli.app, args)  # the same run, unpoisoned, passes
     assert r.exit_code == 0, r.output
+
+
+CAUSE_COLUMNS = (
+    "cold_tokens",
+    "evicted_tokens",
+    "diverged_tokens",
+    "partial_block_tokens",
+    "namespace_tokens",
+    "not_cached_tokens",
+)
+
+
+def _causes(rows):
+    return [tuple(getattr(r, c) for c in CAUSE_COLUMNS) for r in rows]
+
+
+def _brute_force_causes(prompts: list[list[int]], cached: list[int], bs: int) -> list[tuple[int, ...]]:
+    """The causes by their definition (prefixcache.sim.causes), for one namespace, no eviction and no fork with
+    content seen again: history is every earlier commit (here: the prompt itself, max_new_tokens=1)."""
+    out = []
+    for i, p in enumerate(prompts):
+        n, s = len(p), (len(p) - 1) // bs * bs
+        t = 0  # the longest common prefix with an earlier sequence, token by token
+        for q in prompts[:i]:
+            k = 0
+            while k < min(len(p), len(q)) and p[k] == q[k]:
+                k += 1
+            t = max(t, k)
+        seen = min(t // bs * bs, s)  # leading full blocks committed earlier
+        assert cached[i] == seen, i  # no eviction: the cache served all of them
+        out.append((max(0, s - t), 0, 0, (n - s) + (min(t, s) - seen), 0, 0))
+    return out
+
+
+def test_identical_caching_gives_identical_causes_equal_to_the_simulation(tiny, tmp_path):
+    """Two pools that cache identically (no eviction) split the misses identically, whatever the pool's size,
+    and as the model-free simulation (what `explain` and `simulate` run) and the definition computed by hand do.
+
+    The small pool (10 blocks) is one whose wrapper, by default, remembers only 4 pools' worth (160 tokens) of
+    history: ten requests of another 16 tokens push the first prompt out of it, so a bounded history would
+    count the next prompt's 10 tokens shared with that first one (ending inside a block) as partly cold."""
+    bs = 4
+    prefix = list(range(1, 11))  # 10 tokens: two full blocks and half of the third
+    p0, p1 = prefix + list(range(100, 106)), prefix + list(range(110, 116))
+    other = list(range(200, 216))
+    prompts = [p0] + [other] * 10 + [p1]
+    lines = [f"block_size: {bs}", "max_new_tokens: 1", "requests:"] + [f"  - tokens: {p}" for p in prompts]
+    path = tmp_path / "forgotten.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    sc = load_scenario(path)
+    small, unlimited = Capacity(10), Capacity(None)  # p0 4 blocks, other 4, p1 2: the small pool holds them all
+    results, _ = replay(sc, [small, unlimited], block_size=bs, loaded=tiny, baseline=False)
+    a, b = (res.rows for res in results)
+    assert [r.cached_tokens for r in a] == [r.cached_tokens for r in b]
+    assert sum(r.evicted_blocks for r in a) == 0
+    assert _causes(a) == _causes(b)
+    assert _causes(a) == _brute_force_causes(prompts, [r.cached_tokens for r in a], bs)
+    # by hand: p1 has 8 tokens cached, shares 10 with p0, S = 12: 2 cold, (16 - 12) + (10 - 8) partial_block
+    assert _causes(a)[11] == (2, 0, 0, 6, 0, 0)
+    reqs = from_scenario(sc, bs)  # commits = prompts, as the model's (its one new token has no KV yet)
+    for cap, rows in ((small, a), (unlimited, b)):
+        assert _causes(simulate_replay(reqs, cap).rows) == _causes(rows)

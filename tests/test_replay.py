@@ -221,3 +221,43 @@ def test_identical_caching_gives_identical_causes_equal_to_the_simulation(tiny, 
     reqs = from_scenario(sc, bs)  # commits = prompts, as the model's (its one new token has no KV yet)
     for cap, rows in ((small, a), (unlimited, b)):
         assert _causes(simulate_replay(reqs, cap).rows) == _causes(rows)
+
+
+def test_nothing_is_timed_before_a_warm_up_of_both_paths(tiny, monkeypatch, tmp_path):
+    """The first timed call comes after the model ran the first prompt uncached and through a wrapper (a miss and
+    a hit), so the first capacity of a sweep does not carry the process's one-time costs; the record says so."""
+    import engine.replay as engine_replay
+    from engine.wrapper import PrefixCachedModel
+
+    model, _ = tiny
+    forwards = [0]
+    hook = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    cached_calls: list[int] = []  # cached tokens of every wrapper call
+    real_generate = PrefixCachedModel.generate
+
+    def spy_generate(self, *args, **kwargs):
+        out = real_generate(self, *args, **kwargs)
+        cached_calls.append(self.last_request_stats[0].cached_tokens)
+        return out
+
+    timed: list[tuple[int, int]] = []  # (forwards so far, wrapper calls so far) at each timed call
+    real_timed = engine_replay._timed_generate
+
+    def spy_timed(fn, ids, kwargs):
+        timed.append((forwards[0], len(cached_calls)))
+        return real_timed(fn, ids, kwargs)
+
+    monkeypatch.setattr(PrefixCachedModel, "generate", spy_generate)
+    monkeypatch.setattr(engine_replay, "_timed_generate", spy_timed)
+    path = tmp_path / "two.yaml"
+    path.write_text("block_size: 4\nmax_new_tokens: 2\nrequests:\n  - tokens: [5, 6, 7, 8, 9, 10, 11, 12, 13]\n")
+    try:
+        (res,), info = replay(load_scenario(path), [Capacity(None)], block_size=4, loaded=tiny)
+    finally:
+        hook.remove()
+    assert len(res.rows) == 1 and len(timed) == 2  # the baseline and the cached call of the one request
+    before_forwards, before_wrapper = timed[0]
+    assert before_forwards >= 2 * 3  # three untimed generate calls of 2 new tokens each
+    assert cached_calls[:before_wrapper] == [0, 8]  # the warm-up's wrapper missed, then hit two blocks
+    assert res.rows[0].cached_tokens == 0  # ... and was thrown away: the timed replay starts cold
+    assert "before any timing" in info["ttft_warmup"]

@@ -141,7 +141,7 @@ def register(app: typer.Typer) -> None:
                 rcfg = RayConfig(
                     replicas, address, router, router_abs_threshold, router_rel_threshold, router_min_match
                 )
-                status = run_ray(cfg, rcfg)
+                status = run_ray(cfg, rcfg, announce=console.info)
         except ValueError as exc:  # a bad model name or size, found while loading
             console.error(str(exc))
             raise typer.Exit(EXIT_USAGE) from None

@@ -35,7 +35,11 @@ def register(app: typer.Typer) -> None:
     def serve(
         model: str = typer.Option("tiny", "--model", help="Built-in preset (tiny, small) or a local model directory."),
         max_cached_tokens: int | None = typer.Option(
-            None, "--max-cached-tokens", min=1, help="KV pool size per process, in tokens (default 32768)."
+            None,
+            "--max-cached-tokens",
+            min=1,
+            help="KV pool size per process, in tokens (default 32768); it costs the model's K/V bytes per token "
+            "x tokens, checked against the available memory before it is allocated.",
         ),
         block_size: int = typer.Option(16, "--block-size", min=1, help="Tokens per cached block."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),

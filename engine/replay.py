@@ -230,7 +230,12 @@ def _warm_up(
     ids = torch.tensor([prompt], dtype=torch.long, device=next(hf_model.parameters()).device)
     kw = dict(gen, max_new_tokens=k, attention_mask=torch.ones_like(ids))
     blocks = -(-(len(prompt) + k) // block_size) + 1
-    pcm = PrefixCachedModel(hf_model, max_cached_tokens=blocks * block_size, block_size=block_size, eviction=eviction)
+    try:
+        pcm = PrefixCachedModel(
+            hf_model, max_cached_tokens=blocks * block_size, block_size=block_size, eviction=eviction
+        )
+    except PoolTooLargeError as exc:
+        raise ReplayError(f"the warm-up's pool (the first prompt's {blocks} blocks): {exc}") from None
     with torch.inference_mode():
         hf_model.generate(ids, **kw)
         for _ in range(2):

@@ -46,7 +46,7 @@ def gb(x: float | None) -> str:
 
 
 def setting(value: object) -> str:
-    """A setting's value for people: True -> "yes", None -> "—", 4096 -> "4,096", 0.5 -> "0.5",
+    """A setting's value for people: True -> "yes", None -> "—", 4096 and 4096.0 -> "4,096", 0.5 -> "0.5",
     "torch.float32" -> "float32", a list -> its items joined by ", ", a dict -> "key: value" pairs."""
     if value is None:
         return NONE
@@ -55,7 +55,7 @@ def setting(value: object) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        return f"{value:g}"
+        return f"{int(value):,}" if value.is_integer() and abs(value) < 1e15 else f"{value:g}"
     if isinstance(value, (list, tuple)):
         return ", ".join(setting(v) for v in value) if value else NONE
     if isinstance(value, dict):

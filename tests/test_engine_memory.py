@@ -121,3 +121,19 @@ def test_replay_refuses_an_over_large_pool_in_one_line(tmp_path, monkeypatch):
     scenario.write_text("requests:\n  - text: hello there, this is a prompt\n")
     r = CliRunner().invoke(cli.app, ["replay", str(scenario), "--capacity", "4096", "--no-progress"])
     one_line_error(r, "the KV pool needs", "available (test figure)")
+
+
+def test_cuda_memory_is_the_free_bytes_of_that_device(monkeypatch):
+    """On CUDA the figure is torch.cuda.mem_get_info's free bytes of the pool's device (no GPU needed here)."""
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 3_000_000, 80_000_000_000
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    got = memory.available_memory("cuda:1")
+    assert got == memory.Available(3_000_000, "free on cuda:1 (torch.cuda.mem_get_info)")
+    assert asked == [torch.device("cuda:1")]
+    with pytest.raises(PoolTooLargeError, match=r"cuda:1 has 3.0 MB available"):
+        memory.check_pool(512, 10_000, "cuda:1")  # 5,120,000 bytes

@@ -1,5 +1,6 @@
 """engine: the model side of prefixcache (torch + transformers)."""
 
+from engine.memory import PoolSizeWarning, PoolTooLargeError
 from engine.wrapper import (
     Explanation,
     PrefixCachedModel,
@@ -12,6 +13,8 @@ from engine.wrapper import (
 
 __all__ = [
     "Explanation",
+    "PoolSizeWarning",
+    "PoolTooLargeError",
     "PrefixCachedModel",
     "RowStats",
     "StaleCacheWarning",

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import memory
+
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -47,10 +49,16 @@ class KVPool:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        check_memory: bool = True,
     ) -> None:
-        """Allocate (and touch: zeros, so the memory is committed now, not on the first scatter) the pool."""
+        """Allocate (and touch: zeros, so the memory is committed now, not on the first scatter) the pool.
+
+        With ``check_memory`` (the default) a pool too large for the device's available memory is refused first
+        (``engine.memory.PoolTooLargeError``; a ``PoolSizeWarning`` when it takes more than half of it)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"KVPool needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        if check_memory:
+            memory.check_pool(bytes_per_token(specs, dtype), num_blocks * block_size, device)
         self.specs = list(specs)
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -8,7 +8,9 @@ with ``max_new_tokens``. The cached run's reply joins the conversation's history
 TTFT is measured with a streamer: ``generate`` first hands the streamer the prompt, then each new token; the
 time from the call to the second ``put`` is the time to the first generated token (prefill + first sampling
 step). Total time is the whole ``generate`` call. The baseline runs right before the cached call of the same
-request (in every replay of a sweep), so both see the same machine load.
+request (in every replay of a sweep), so both see the same machine load. Before anything is timed, the first
+request runs once uncached and twice through a throwaway wrapper (``_warm_up``): a process's first calls pay
+one-time costs (hundreds of ms on the CPU) that would otherwise land on the first capacity of a sweep only.
 
 On the built-in presets (random weights) generation is restricted to printable ASCII and ``<|eos|>``
 (``suppress_tokens``, the same for cached and uncached) so that replies decode to text and re-encode to the
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.memory import PoolTooLargeError
 from engine.models import PRESETS, load_model
 from engine.wrapper import PrefixCachedModel
 from prefixcache.reports.record import TOP_SITES
@@ -154,11 +157,14 @@ def replay(
     vocab = hf_model.config.vocab_size
     info = {
         "model_class": type(hf_model).__name__,
-        "dtype": str(next(hf_model.parameters()).dtype),
+        "dtype": str(next(hf_model.parameters()).dtype).removeprefix("torch."),
         "device": str(next(hf_model.parameters()).device),
         "ttft": "streamer: time from the generate call to its first generated token",
+        "ttft_warmup": WARMUP_NOTE,
         "parameters": sum(p.numel() for p in hf_model.parameters()),
     }
+    if scenario.requests:
+        _warm_up(scenario, hf_model, renderer, gen, block_size, eviction, max_pos, vocab)
     results: list[RunResult] = []
     forks: dict[int, Fork] = {}
     unl: int | None = None
@@ -172,9 +178,17 @@ def replay(
         tier: dict[str, Any] = {}
         if disk_cache is not None:
             tier = {"disk_cache": Path(disk_cache) / f"pool-{cap.label(block_size)}", "max_disk_bytes": max_disk_bytes}
-        pcm = PrefixCachedModel(
-            hf_model, max_cached_tokens=nb * block_size, block_size=block_size, eviction=eviction, **tier
-        )
+        try:
+            pcm = PrefixCachedModel(
+                hf_model,
+                max_cached_tokens=nb * block_size,
+                block_size=block_size,
+                eviction=eviction,
+                miss_history_tokens="unlimited",  # causes that do not depend on the pool's size
+                **tier,
+            )
+        except PoolTooLargeError as exc:
+            raise ReplayError(f"capacity {cap.label(block_size)}: {exc}") from None
         res = _replay_one(
             scenario,
             pcm,
@@ -206,6 +220,52 @@ def replay(
     return results, info
 
 
+WARMUP_NOTE = (
+    "one untimed uncached call and two cached ones (a miss, then a hit) of the first prompt, before any timing"
+)
+
+
+def _warm_up(
+    scenario: Scenario,
+    hf_model: Any,
+    renderer: HFRenderer,
+    gen: dict,
+    block_size: int,
+    eviction: str,
+    max_pos: int | None,
+    vocab: int,
+) -> None:
+    """Run the first request untimed, uncached and through a throwaway wrapper (a miss, then a hit), so that the
+    first timed call does not pay the process's one-time costs (kernels, allocator, the wrapper's first engine)
+    and the first capacity of a sweep is timed like the others (``WARMUP_NOTE``)."""
+    req = scenario.requests[0]
+    prompt = Conversations().prompt(req, renderer)
+    k = req.max_new_tokens or scenario.max_new_tokens
+    _check_prompt(prompt, k, 0, req.line, max_pos, vocab)
+    ids = torch.tensor([prompt], dtype=torch.long, device=next(hf_model.parameters()).device)
+    kw = dict(gen, max_new_tokens=k, attention_mask=torch.ones_like(ids))
+    blocks = -(-(len(prompt) + k) // block_size) + 1
+    try:
+        pcm = PrefixCachedModel(
+            hf_model, max_cached_tokens=blocks * block_size, block_size=block_size, eviction=eviction
+        )
+    except PoolTooLargeError as exc:
+        raise ReplayError(f"the warm-up's pool (the first prompt's {blocks} blocks): {exc}") from None
+    with torch.inference_mode():
+        hf_model.generate(ids, **kw)
+        for _ in range(2):
+            pcm.generate(ids, namespace=req.namespace, **kw)
+
+
+def _check_prompt(prompt: list[int], k: int, i: int, line: int | None, max_pos: int | None, vocab: int) -> None:
+    """ReplayError naming request ``i`` (0-based) when its prompt cannot run on the model."""
+    where = f"request {i + 1}" + (f" (line {line})" if line else "")
+    if max_pos is not None and len(prompt) + k > max_pos:
+        raise ReplayError(f"{where}: {len(prompt)} prompt + {k} new tokens exceed the model's {max_pos} positions")
+    if max(prompt) >= vocab:
+        raise ReplayError(f"{where}: token id {max(prompt)} is outside the model's vocabulary ({vocab})")
+
+
 def _replay_one(
     scenario: Scenario,
     pcm: PrefixCachedModel,
@@ -233,13 +293,7 @@ def _replay_one(
         for i, req in enumerate(scenario.requests):
             prompt = conv.prompt(req, renderer)
             k = req.max_new_tokens or scenario.max_new_tokens
-            where = f"request {i + 1}" + (f" (line {req.line})" if req.line else "")
-            if max_pos is not None and len(prompt) + k > max_pos:
-                raise ReplayError(
-                    f"{where}: {len(prompt)} prompt + {k} new tokens exceed the model's {max_pos} positions"
-                )
-            if max(prompt) >= vocab:
-                raise ReplayError(f"{where}: token id {max(prompt)} is outside the model's vocabulary ({vocab})")
+            _check_prompt(prompt, k, i, req.line, max_pos, vocab)
             ids = torch.tensor([prompt], dtype=torch.long, device=device)
             kw = dict(gen, max_new_tokens=k)
             base = _timed_generate(hf_model.generate, ids, kw) if baseline else None

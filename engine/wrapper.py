@@ -62,8 +62,8 @@ class RowStats:
     """One batch row of the last ``generate`` call: prompt length, tokens served from cache (pool and tier), blocks
     added (the tier's loaded ones included), and
     why the other prompt tokens missed (``prefixcache.sim.causes``; they sum to prompt - cached): the wrapper
-    remembers what it committed, up to ``HISTORY_FACTOR`` times its pool in tokens (older content counts as
-    cold); ``shared_tokens``/``shared_with``: the longest prefix it shares with an earlier row (numbered from
+    remembers what it committed, up to ``HISTORY_FACTOR`` times its pool in tokens unless ``miss_history_tokens``
+    says otherwise (older content counts as cold); ``shared_tokens``/``shared_with``: the longest prefix it shares with an earlier row (numbered from
     0 since construction or ``reset_cache``) and which row that was."""
 
     prompt_tokens: int
@@ -122,7 +122,13 @@ class PrefixCachedModel:
     """Wraps a causal LM; ``generate`` returns what ``model.generate`` returns, reusing cached prefix KV.
 
     Size the pool by ``max_cached_tokens`` or ``max_cached_bytes`` (one of them; default 32,768 tokens);
-    sizes and ``block_size`` are ints > 0 (numpy integers too).
+    sizes and ``block_size`` are ints > 0 (numpy integers too). The pool costs bytes per token (K+V of every
+    layer: 2 x layers x KV heads x head dim x dtype size) x tokens, allocated at once on the model's device:
+    ``check_memory`` (default True) refuses one above 90% of the device's available memory
+    (``engine.memory.PoolTooLargeError``, naming both) and warns above 50% (``PoolSizeWarning``).
+    ``miss_history_tokens``: how much committed content the miss-cause history remembers (``RowStats``' causes;
+    default None: 4 pools' worth; past it, content seen only before counts as cold); ``"unlimited"`` keeps it
+    all, as ``prefixcache replay`` does so that its causes do not depend on the pool's size.
     ``on_unsupported``: "error" (default) raises ``UnsupportedModelError`` for models that cannot be cached
     exactly; "passthrough" wraps them anyway and runs every call uncached. Thread-safe (one lock).
     Attributes not defined here fall through to the wrapped model.
@@ -164,6 +170,8 @@ class PrefixCachedModel:
         disk_cache: str | os.PathLike | None = None,
         max_disk_bytes: int | str | None = None,
         shared_cache: str | None = None,
+        check_memory: bool = True,
+        miss_history_tokens: int | str | None = None,
     ) -> None:
         if on_unsupported not in ("error", "passthrough"):
             raise ValueError(f"on_unsupported must be 'error' or 'passthrough', got {on_unsupported!r}")
@@ -174,6 +182,13 @@ class PrefixCachedModel:
             max_cached_tokens = _positive_int("max_cached_tokens", max_cached_tokens)
         if max_cached_bytes is not None:
             max_cached_bytes = _positive_int("max_cached_bytes", max_cached_bytes)
+        if isinstance(miss_history_tokens, str) and miss_history_tokens != "unlimited":
+            raise ValueError(
+                f"PrefixCachedModel: miss_history_tokens must be an int > 0, 'unlimited' or None, "
+                f"got {miss_history_tokens!r}"
+            )
+        if miss_history_tokens is not None and miss_history_tokens != "unlimited":
+            miss_history_tokens = _positive_int("miss_history_tokens", miss_history_tokens)
         object.__setattr__(self, "model", model)
         self._lock = threading.RLock()
         self._warned: set[str] = set()
@@ -184,6 +199,7 @@ class PrefixCachedModel:
         self.last_uncached_reason: str | None = None
         self.uncached_calls = 0
         self.tier: KVTier | None = None
+        self._check_memory = bool(check_memory)
         self._slot = EngineSlot(engine_config, fast_linear)
         self.unsupported_reason = hf_cache.unsupported_reason(model)
         if self.unsupported_reason is not None and on_unsupported == "error":
@@ -197,7 +213,7 @@ class PrefixCachedModel:
         if self.unsupported_reason is not None:  # passthrough: a 1-block core keeps the API usable
             self.pool = None
             self.cache = PrefixCache(CacheConfig(num_blocks=1, block_size=block_size, eviction=eviction))
-            self._causes = LiveCauses(block_size, HISTORY_FACTOR * block_size)
+            self._causes = LiveCauses(block_size, _history_bound(miss_history_tokens, block_size))
             return
         specs = hf_cache.probe_specs(model)
         per_block = bytes_per_token(specs, model.dtype) * block_size
@@ -227,14 +243,16 @@ class PrefixCachedModel:
                 UnverifiedCacheWarning,
                 stacklevel=2,
             )
-        self.pool = KVPool(specs, num_blocks, block_size, dtype=model.dtype, device=model.device)
+        self.pool = KVPool(
+            specs, num_blocks, block_size, dtype=model.dtype, device=model.device, check_memory=self._check_memory
+        )
         self._specs = specs
         if disk_cache is not None or shared_cache is not None or max_disk_bytes is not None:
             self.tier = open_tier(
                 self._binding(), disk_cache=disk_cache, max_disk_bytes=max_disk_bytes, shared_cache=shared_cache
             )
             self._slot.tier = self.tier
-        self._causes = LiveCauses(block_size, HISTORY_FACTOR * num_blocks * block_size)
+        self._causes = LiveCauses(block_size, _history_bound(miss_history_tokens, num_blocks * block_size))
         self._weights = WeightsSnapshot.take(model)
 
     # ---- construction helpers ------------------------------------------------------------------------
@@ -296,7 +314,14 @@ class PrefixCachedModel:
         model, pool = self.model, self.pool
         if pool is None or (model.dtype == pool.dtype and torch.device(model.device) == pool.device):
             return
-        self.pool = KVPool(self._specs, pool.num_blocks, pool.block_size, dtype=model.dtype, device=model.device)
+        self.pool = KVPool(
+            self._specs,
+            pool.num_blocks,
+            pool.block_size,
+            dtype=model.dtype,
+            device=model.device,
+            check_memory=self._check_memory,
+        )
         self._drop_cache()
         self._slot.reset()
         self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
@@ -882,6 +907,13 @@ def _positive_int(name: str, value: Any) -> int:
     if value <= 0:
         raise ValueError(f"PrefixCachedModel: {name} must be > 0, got {value}")
     return value
+
+
+def _history_bound(given: int | str | None, pool_tokens: int) -> int | None:
+    """The miss-cause history's bound in tokens (None: unbounded) from ``miss_history_tokens``."""
+    if given is None:
+        return HISTORY_FACTOR * pool_tokens
+    return None if given == "unlimited" else int(given)
 
 
 def _fingerprint(model) -> str:

@@ -180,3 +180,62 @@ def test_console_script_entry_point(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "no such trace file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_version_is_the_packages_and_pyprojects():
+    import re
+
+    from prefixcache._version import __version__
+
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"prefixcache {__version__}"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.search(r'^version = "([^"]+)"', pyproject, re.M)
+    assert declared is not None and declared.group(1) == __version__
+
+
+def _commands():
+    import typer.main
+
+    group = typer.main.get_command(cli.app)
+    return group, {name: group.commands[name] for name in group.commands if name != "eval"}  # eval: lm-eval's
+
+
+def test_help_shows_no_type_for_flags_and_names_every_argument_alike():
+    group, commands = _commands()
+    for args in [["--help"], *([name, "--help"] for name in commands)]:
+        r = run(*args)
+        assert r.exit_code == 0, args
+        assert "<bool>" not in r.output, args  # a flag takes no value
+    for name, command in commands.items():
+        for param in command.params:
+            if param.param_type_name == "argument":  # one style: an upper-case placeholder, like SCENARIO
+                assert param.metavar is not None and param.metavar.isupper(), (name, param.name)
+                assert f"{{{param.metavar}}}" in run(name, "--help").output  # the usage line shows it
+
+
+def test_top_level_examples_cover_every_main_command():
+    out = run("--help").output
+    for cmd in ("simulate", "explain", "plan", "replay", "report", "serve"):
+        assert f"prefixcache {cmd} " in out, cmd
+
+
+def test_simulate_shows_the_causes_its_help_promises(tmp_path):
+    out = tmp_path / "run.json"
+    r = run("simulate", SCENARIOS / "chat.yaml", "--json", out)
+    assert r.exit_code == 0, r.output
+    assert "Uncached tokens by cause" in r.stdout
+    totals = json.loads(out.read_text())["totals"]
+    for t in totals:
+        assert f"{t['cold_tokens']:,}" in r.stdout and f"{t['partial_block_tokens']:,}" in r.stdout
+    assert "uncached tokens by cause" in " ".join(run("simulate", "--help").output.split())
+
+
+def test_the_main_jobs_outputs_land_in_an_ignored_folder():
+    """The documented main job and the help's examples write into runs/, which git ignores."""
+    root = Path(__file__).resolve().parents[1]
+    assert "runs/" in (root / ".gitignore").read_text(encoding="utf-8").split()
+    assert "--json runs/run.json" in run("--help").output
+    if (root / ".git").exists():
+        for name in ("runs/run.json", "runs/run.html"):
+            assert subprocess.run(["git", "check-ignore", "-q", name], cwd=root).returncode == 0, name

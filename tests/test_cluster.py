@@ -171,8 +171,8 @@ def test_simulate_near_tokens_option(tmp_path):
     assert rec["settings"]["near_tokens"] == 0.0
     r = CliRunner().invoke(app, ["report", str(out), "--markdown", str(tmp_path / "c.md")])
     assert r.exit_code == 0, r.output
-    md = (tmp_path / "c.md").read_text()  # the Settings table, beside the guard
-    assert "guard" in md and "near_tokens" in md
+    md = (tmp_path / "c.md").read_text()  # the Settings table, beside the guard, formatted for people
+    assert "| guard | abs threshold: 131,072, rel threshold: 1.5 |" in md and "| near tokens | 0 |" in md
     for bad in ("-1", "nan"):
         r = CliRunner().invoke(app, [*base, "--near-tokens", bad])
         assert r.exit_code == 2 and "--near-tokens" in r.output, r.output

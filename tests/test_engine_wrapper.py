@@ -28,19 +28,31 @@ def _consistent(pcm) -> None:
     assert pcm.cache.num_active_requests == 0
 
 
-def _same_error(fn_ref, fn_test):
+def _same_error(fn_ref, fn_test, uncached: str | None = None):
+    """fn_test raises what fn_ref raises; ``uncached``: fn_test first warns that it runs uncached, saying why."""
     with pytest.raises(Exception) as ref:
         fn_ref()
     with pytest.raises(type(ref.value)):
-        fn_test()
+        if uncached is None:
+            fn_test()
+        else:
+            with pytest.warns(UncachedCallWarning, match=uncached):
+                fn_test()
 
 
 def test_bad_inputs_raise_like_the_model(llama, pcm):
     g = torch.Generator().manual_seed(0)
     warm = torch.tensor([rand_tokens(g, 20)])
     pcm.generate(warm, max_new_tokens=2)
-    for bad in (torch.zeros((1, 0), dtype=torch.long), warm.float(), -warm):
-        _same_error(lambda: llama.generate(bad, max_new_tokens=2), lambda: pcm.generate(bad, max_new_tokens=2))
+    bad_inputs = (
+        (torch.zeros((1, 0), dtype=torch.long), "is empty"),
+        (warm.float(), "not integer"),
+        (-warm, "negative"),
+    )
+    for bad, why in bad_inputs:
+        _same_error(
+            lambda: llama.generate(bad, max_new_tokens=2), lambda: pcm.generate(bad, max_new_tokens=2), uncached=why
+        )
         _consistent(pcm)
 
 
@@ -95,7 +107,8 @@ def test_uncached_routes_match_model(llama, pcm):
         pcm.generate(ids, max_new_tokens=3, num_beams=2)
     embeds = llama.get_input_embeddings()(ids)
     ref = llama.generate(inputs_embeds=embeds, max_new_tokens=3)
-    assert torch.equal(pcm.generate(inputs_embeds=embeds, max_new_tokens=3), ref)
+    with pytest.warns(UncachedCallWarning, match="no input_ids"):
+        assert torch.equal(pcm.generate(inputs_embeds=embeds, max_new_tokens=3), ref)
     with pytest.raises(ValueError, match="past_key_values"):
         pcm.generate(ids, past_key_values=T.DynamicCache(), max_new_tokens=2)
     with pytest.raises(ValueError, match="cache"):
@@ -248,7 +261,8 @@ def test_unsupported_models_refused_or_passed_through(make, reason):
     pcm = PrefixCachedModel(model, max_cached_tokens=64, on_unsupported="passthrough")
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     ref = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert torch.equal(pcm.generate(ids, max_new_tokens=3, do_sample=False), ref)
+    with pytest.warns(UncachedCallWarning, match=f"model not cacheable: .*{reason}"):
+        assert torch.equal(pcm.generate(ids, max_new_tokens=3, do_sample=False), ref)
     assert pcm.uncached_calls == 1 and reason in pcm.last_uncached_reason
 
 
@@ -316,6 +330,7 @@ def test_num_return_sequences_with_sampling_matches_the_model(llama, pcm):
     _same_error(
         lambda: llama.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2),
         lambda: pcm.generate(torch.tensor([a]), num_return_sequences=2, max_new_tokens=2),
+        uncached="invalid generation settings",
     )
     _consistent(pcm)
 
@@ -333,7 +348,8 @@ def test_nested_call_from_a_callback_runs_uncached_and_stays_exact(llama, pcm):
     pcm.generate(torch.tensor([b + [3] * 10]), max_new_tokens=3)
     ids = torch.tensor([a + [5, 6, 7, 8]])
     before = pcm.uncached_calls
-    out = pcm.generate(ids, max_new_tokens=6, logits_processor=T.LogitsProcessorList([Nest()]))
+    with pytest.warns(UncachedCallWarning, match="nested call"):
+        out = pcm.generate(ids, max_new_tokens=6, logits_processor=T.LogitsProcessorList([Nest()]))
     assert torch.equal(out, llama.generate(ids, max_new_tokens=6))
     assert pcm.uncached_calls - before == 6  # one nested call per step
     later = torch.tensor([a + [5, 6, 7, 8] + out[0, -6:].tolist() + [1]])  # hits what the outer call stored

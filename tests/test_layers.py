@@ -3,7 +3,8 @@
 core <- workload <- sim <- reports <- cli: a layer imports only the layers before it, the third-party
 packages listed for it, and the standard library. Nothing under prefixcache/ imports torch or transformers;
 the CLI may import ``engine`` (and the server's packages, lm-eval) only lazily, inside a function. Module-level
-imports between prefixcache modules form no cycle.
+imports between prefixcache modules form no cycle. ``engine`` uses prefixcache's layers below the CLI and never
+``prefixcache.cli``, not even lazily (the arrows go one way: the CLI calls the engine, never the reverse).
 """
 
 from __future__ import annotations
@@ -180,3 +181,41 @@ def test_the_checker_catches_broken_rules(where, source, message):
 
 def test_the_checker_allows_lazy_engine_in_cli():
     assert violations(PKG / "cli" / "x.py", "def f():\n    from engine.replay import replay\n") == []
+
+
+ENGINE = ROOT / "engine"
+ENGINE_MODULES = sorted(ENGINE.rglob("*.py"))
+
+
+def engine_violations(path: Path, source: str | None = None) -> list[str]:
+    """Every import of the engine module at ``path`` that reaches up into ``prefixcache.cli``, at any depth."""
+    text = path.read_text(encoding="utf-8") if source is None else source
+    name = module_name(path)
+    bad = []
+    for mod, _top, line in imports(text, name, path.name == "__init__.py"):
+        if mod == "prefixcache.cli" or mod.startswith("prefixcache.cli."):
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {mod} (engine may not import prefixcache.cli)")
+    return bad
+
+
+@pytest.mark.parametrize("path", ENGINE_MODULES, ids=lambda p: str(p.relative_to(ENGINE)))
+def test_engine_never_imports_the_cli(path):
+    assert engine_violations(path) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from prefixcache.cli import console\n",
+        "def f():\n    from prefixcache.cli import console\n",
+        "import prefixcache.cli.console\n",
+        "def f():\n    from prefixcache.cli.app import app\n",
+    ],
+)
+def test_the_engine_checker_catches_the_cli(source):
+    assert engine_violations(ENGINE / "serve" / "x.py", source) != []
+
+
+def test_the_engine_checker_allows_the_layers_below_the_cli():
+    source = "from prefixcache.sim.causes import Fork\nfrom prefixcache.reports.record import TOP_SITES\n"
+    assert engine_violations(ENGINE / "x.py", source) == []

@@ -198,3 +198,16 @@ def test_cli_plan_errors(conv_slice, tmp_path):
     sc.write_text("requests:\n  - text: hello\n")
     res = runner.invoke(app, ["plan", str(sc)])
     assert res.exit_code == 2 and "hash-id trace" in res.output
+
+
+def test_cli_plan_says_which_dtype_it_sized_kv_with(conv_slice):
+    from prefixcache.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", str(conv_slice), "--model", "small", "--points", "3", "--no-bound"])
+    assert res.exit_code == 0, res.output
+    # small: 12 layers x 12 KV heads x head dim 64, K and V, fp32: 2 * 12 * 12 * 64 * 4 = 73,728 bytes per token
+    assert "float32 (the default here; --dtype to change) = 73,728 bytes per token" in res.stderr
+    res = runner.invoke(app, ["plan", str(conv_slice), "--model", "small", "--dtype", "bf16", "--points", "3"])
+    assert res.exit_code == 0, res.output
+    assert "bf16 (from --dtype) = 36,864 bytes per token" in res.stderr

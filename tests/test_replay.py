@@ -159,3 +159,105 @@ def test_verify_fails_when_the_cache_serves_wrong_kv(monkeypatch, tiny, handwrit
     monkeypatch.setattr(KVPool, "gather_into", real)
     r = CliRunner().invoke(cli.app, args)  # the same run, unpoisoned, passes
     assert r.exit_code == 0, r.output
+
+
+CAUSE_COLUMNS = (
+    "cold_tokens",
+    "evicted_tokens",
+    "diverged_tokens",
+    "partial_block_tokens",
+    "namespace_tokens",
+    "not_cached_tokens",
+)
+
+
+def _causes(rows):
+    return [tuple(getattr(r, c) for c in CAUSE_COLUMNS) for r in rows]
+
+
+def _brute_force_causes(prompts: list[list[int]], cached: list[int], bs: int) -> list[tuple[int, ...]]:
+    """The causes by their definition (prefixcache.sim.causes), for one namespace, no eviction and no fork with
+    content seen again: history is every earlier commit (here: the prompt itself, max_new_tokens=1)."""
+    out = []
+    for i, p in enumerate(prompts):
+        n, s = len(p), (len(p) - 1) // bs * bs
+        t = 0  # the longest common prefix with an earlier sequence, token by token
+        for q in prompts[:i]:
+            k = 0
+            while k < min(len(p), len(q)) and p[k] == q[k]:
+                k += 1
+            t = max(t, k)
+        seen = min(t // bs * bs, s)  # leading full blocks committed earlier
+        assert cached[i] == seen, i  # no eviction: the cache served all of them
+        out.append((max(0, s - t), 0, 0, (n - s) + (min(t, s) - seen), 0, 0))
+    return out
+
+
+def test_identical_caching_gives_identical_causes_equal_to_the_simulation(tiny, tmp_path):
+    """Two pools that cache identically (no eviction) split the misses identically, whatever the pool's size,
+    and as the model-free simulation (what `explain` and `simulate` run) and the definition computed by hand do.
+
+    The small pool (10 blocks) is one whose wrapper, by default, remembers only 4 pools' worth (160 tokens) of
+    history: ten requests of another 16 tokens push the first prompt out of it, so a bounded history would
+    count the next prompt's 10 tokens shared with that first one (ending inside a block) as partly cold."""
+    bs = 4
+    prefix = list(range(1, 11))  # 10 tokens: two full blocks and half of the third
+    p0, p1 = prefix + list(range(100, 106)), prefix + list(range(110, 116))
+    other = list(range(200, 216))
+    prompts = [p0] + [other] * 10 + [p1]
+    lines = [f"block_size: {bs}", "max_new_tokens: 1", "requests:"] + [f"  - tokens: {p}" for p in prompts]
+    path = tmp_path / "forgotten.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    sc = load_scenario(path)
+    small, unlimited = Capacity(10), Capacity(None)  # p0 4 blocks, other 4, p1 2: the small pool holds them all
+    results, _ = replay(sc, [small, unlimited], block_size=bs, loaded=tiny, baseline=False)
+    a, b = (res.rows for res in results)
+    assert [r.cached_tokens for r in a] == [r.cached_tokens for r in b]
+    assert sum(r.evicted_blocks for r in a) == 0
+    assert _causes(a) == _causes(b)
+    assert _causes(a) == _brute_force_causes(prompts, [r.cached_tokens for r in a], bs)
+    # by hand: p1 has 8 tokens cached, shares 10 with p0, S = 12: 2 cold, (16 - 12) + (10 - 8) partial_block
+    assert _causes(a)[11] == (2, 0, 0, 6, 0, 0)
+    reqs = from_scenario(sc, bs)  # commits = prompts, as the model's (its one new token has no KV yet)
+    for cap, rows in ((small, a), (unlimited, b)):
+        assert _causes(simulate_replay(reqs, cap).rows) == _causes(rows)
+
+
+def test_nothing_is_timed_before_a_warm_up_of_both_paths(tiny, monkeypatch, tmp_path):
+    """The first timed call comes after the model ran the first prompt uncached and through a wrapper (a miss and
+    a hit), so the first capacity of a sweep does not carry the process's one-time costs; the record says so."""
+    import engine.replay as engine_replay
+    from engine.wrapper import PrefixCachedModel
+
+    model, _ = tiny
+    forwards = [0]
+    hook = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    cached_calls: list[int] = []  # cached tokens of every wrapper call
+    real_generate = PrefixCachedModel.generate
+
+    def spy_generate(self, *args, **kwargs):
+        out = real_generate(self, *args, **kwargs)
+        cached_calls.append(self.last_request_stats[0].cached_tokens)
+        return out
+
+    timed: list[tuple[int, int]] = []  # (forwards so far, wrapper calls so far) at each timed call
+    real_timed = engine_replay._timed_generate
+
+    def spy_timed(fn, ids, kwargs):
+        timed.append((forwards[0], len(cached_calls)))
+        return real_timed(fn, ids, kwargs)
+
+    monkeypatch.setattr(PrefixCachedModel, "generate", spy_generate)
+    monkeypatch.setattr(engine_replay, "_timed_generate", spy_timed)
+    path = tmp_path / "two.yaml"
+    path.write_text("block_size: 4\nmax_new_tokens: 2\nrequests:\n  - tokens: [5, 6, 7, 8, 9, 10, 11, 12, 13]\n")
+    try:
+        (res,), info = replay(load_scenario(path), [Capacity(None)], block_size=4, loaded=tiny)
+    finally:
+        hook.remove()
+    assert len(res.rows) == 1 and len(timed) == 2  # the baseline and the cached call of the one request
+    before_forwards, before_wrapper = timed[0]
+    assert before_forwards >= 2 * 3  # three untimed generate calls of 2 new tokens each
+    assert cached_calls[:before_wrapper] == [0, 8]  # the warm-up's wrapper missed, then hit two blocks
+    assert res.rows[0].cached_tokens == 0  # ... and was thrown away: the timed replay starts cold
+    assert "before any timing" in info["ttft_warmup"]

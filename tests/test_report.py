@@ -94,3 +94,77 @@ def test_load_record_rejects_unknown_row_keys(tmp_path):
     raw["runs"][0]["rows"][3].pop("surprise")
     (tmp_path / "r.json").write_text(json.dumps(raw))
     assert load_record(tmp_path / "r.json").runs[0].rows == tuple(_rows())  # version 1 still loads
+
+
+def _two_identical_runs(n_rows: int | None = None) -> object:
+    rows = tuple(_rows(True))[: n_rows or None]
+    results = [RunResult(Capacity(128), 128, 16, rows), RunResult(Capacity(None), 300, 16, rows)]
+    settings = {
+        "model": "tiny",
+        "baseline": True,
+        "verify": False,
+        "dtype": "torch.float32",
+        "capacities": ["2,048 tokens (128 blocks)", "unlimited"],
+        "block_size": 16,
+        "warmup": 0.0,
+        "keep_for": None,
+        "guard": {"abs_threshold": 131072, "rel_threshold": 1.5},
+    }
+    return build_record("replay", "x.yaml", settings, results)
+
+
+def test_settings_are_formatted_for_people():
+    from prefixcache.reports import format as fmt
+
+    rec = _two_identical_runs()
+    table = next(s for s in document(rec).sections if s.title == "Settings").blocks[0]
+    got = dict(map(tuple, table.rows))
+    assert got == {
+        "model": "tiny",
+        "baseline": "yes",
+        "verify": "no",
+        "dtype": "float32",
+        "capacities": "2,048 tokens (128 blocks), unlimited",
+        "block size": "16",
+        "warmup": "0",
+        "keep for": fmt.NONE,
+        "guard": "abs threshold: 131,072, rel threshold: 1.5",
+    }
+
+
+def test_hit_rate_lines_of_identical_runs_stay_distinguishable():
+    from prefixcache.reports.run_report import hit_rate_series
+
+    series, window = hit_rate_series(_two_identical_runs())
+    solid = [s for s in series if not s.faint]
+    assert [s.label for s in solid] == ["2,048 tok", "unlimited"]
+    a, b = solid
+    assert a.y == b.y  # they cache identically ...
+    assert (a.line, a.marker, a.color) != (b.line, b.marker, b.color)  # ... yet each has its own style
+    assert a.line != b.line and a.marker != b.marker and a.mark_from != b.mark_from  # and staggered markers
+
+
+def test_the_moving_window_is_drawn_exactly_when_the_title_says_so():
+    from prefixcache.reports.run_report import hit_rate_series, hit_rate_title
+
+    series, window = hit_rate_series(_two_identical_runs())  # 36 measured requests
+    assert window == 5 and "moving window of 5 requests" in hit_rate_title(window)
+    faint = [s for s in series if s.faint]
+    assert len(faint) == 2 and all(len(s.x) == 36 - 5 + 1 for s in faint)
+    rows = _rows(True)[4:9]  # the first 5 measured requests (4 are warm-up), by hand: the window's first value
+    assert faint[0].y[0] == pytest.approx(sum(r.cached_tokens for r in rows) / sum(r.prompt_tokens for r in rows))
+    series, window = hit_rate_series(_two_identical_runs(n_rows=12))  # 8 measured: too few for a window
+    assert window is None and not any(s.faint for s in series)
+    assert "window" not in hit_rate_title(window)
+
+
+def test_ttft_scatter_has_a_cached_and_an_uncached_series_per_column():
+    from prefixcache.reports.run_report import capacity_label, ttft_series
+
+    rec = _two_identical_runs()
+    series = ttft_series(rec)
+    columns = [capacity_label(t) for t in rec.totals()]  # the summary table's columns
+    assert [s.label for s in series] == [f"{kind}, {c}" for c in columns for kind in ("cached", "uncached")]
+    m = _rows(True)[4:]
+    assert series[1].y == tuple(1000 * r.ttft_uncached_s for r in m)
+    assert series[0].color == series[1].color != series[2].color  # a column's two series share its colour

@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -247,11 +248,14 @@ def build_app(cfg: ServeConfig, rcfg: RayConfig) -> Any:
     return ingress.bind(model, cfg, name, rcfg.replicas)
 
 
-def run_ray(cfg: ServeConfig, rcfg: RayConfig) -> int:
-    """Serve on Ray until SIGINT/SIGTERM (a local Ray instance unless ``rcfg.address``); returns 0 after a
-    graceful stop (Ray Serve lets in-flight requests finish)."""
-    from prefixcache.cli import console
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
+
+def run_ray(cfg: ServeConfig, rcfg: RayConfig, announce: Callable[[str], None] = _to_stderr) -> int:
+    """Serve on Ray until SIGINT/SIGTERM (a local Ray instance unless ``rcfg.address``); returns 0 after a
+    graceful stop (Ray Serve lets in-flight requests finish). ``announce`` gets the "serving ..." line once the
+    app is up (default: standard error; the CLI passes its console)."""
     started = not ray.is_initialized()
     if started:
         ray.init(address=rcfg.address, include_dashboard=False)
@@ -261,7 +265,7 @@ def run_ray(cfg: ServeConfig, rcfg: RayConfig) -> int:
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         index = start_index(cfg, rcfg)  # noqa: F841  (held: the actor lives while its handle does)
         serve.run(build_app(cfg, rcfg), name=rcfg.app_name, route_prefix="/")
-        console.info(f"serving {cfg.model} on http://{cfg.host}:{cfg.port} with {rcfg.replicas} Ray Serve replicas")
+        announce(f"serving {cfg.model} on http://{cfg.host}:{cfg.port} with {rcfg.replicas} Ray Serve replicas")
         stop.wait()
         serve.delete(rcfg.app_name)
         serve.shutdown()  # type: ignore[no-untyped-call]

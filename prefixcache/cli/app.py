@@ -9,9 +9,10 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+import typer.core
 from typer.core import TyperGroup
 
 try:  # typer >= 0.20 carries its own copy of click; older versions use click itself
@@ -19,6 +20,7 @@ try:  # typer >= 0.20 carries its own copy of click; older versions use click it
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors  # type: ignore[no-redef]
 
+from prefixcache._version import __version__
 from prefixcache.cli import console
 from prefixcache.core.errors import InputError
 
@@ -68,13 +70,50 @@ app = typer.Typer(
     "  prefixcache simulate trace.jsonl --capacity-blocks 1000 --capacity unlimited\n\n"
     "  prefixcache explain scenarios/dated_system_prompt.yaml --top 5\n\n"
     "  prefixcache plan scenarios/mooncake_conversation.yaml --html plan.html\n\n"
-    "  prefixcache replay scenarios/shared_prompt.yaml --json run.json\n\n"
-    "  prefixcache report run.json --html run.html --markdown run.md",
+    "  prefixcache replay scenarios/chat.yaml --json runs/run.json\n\n"
+    "  prefixcache report runs/run.json --html runs/run.html --markdown runs/run.md\n\n"
+    "  prefixcache serve --model tiny --port 8000",
     no_args_is_help=True,
     add_completion=False,
     cls=OneLineErrors,
     pretty_exceptions_show_locals=False,
 )
+
+
+def _flags_show_no_type() -> None:
+    """typer's rich help prints a type beside every option, flags included (``--help <bool>``); a flag takes no
+    value, so show none for flags (the patch is idempotent and skipped on typer versions without the method)."""
+    option = getattr(typer.core, "TyperOption", None)
+    original = getattr(option, "display_type_rich", None)
+    if option is None or original is None or getattr(original, "flags_show_no_type", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> Any:
+        if getattr(self, "is_flag", False) or getattr(self, "count", False):
+            return None
+        return original(self, ctx)
+
+    display_type_rich.flags_show_no_type = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.show(f"prefixcache {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """The group's own options (--version); each command's are its own."""
 
 
 class UsageError(Exception):

@@ -8,7 +8,7 @@ from typing import Any
 from prefixcache.cli import console
 from prefixcache.cli.app import interrupted
 from prefixcache.cli.options import stdout_taken
-from prefixcache.reports import cluster_report
+from prefixcache.reports import causes_report, cluster_report
 from prefixcache.reports.document import Document, rich_table, write_html, write_markdown
 from prefixcache.reports.record import RunRecord, save_record
 from prefixcache.reports.run_report import document, summary
@@ -17,10 +17,13 @@ from prefixcache.reports.run_report import document, summary
 def write_run(
     record: RunRecord, json_out: Path | None, html: Path | None, markdown: Path | None, *, rendering: bool = False
 ) -> None:
-    """Print the summary and write the requested files. A run this command just made that was interrupted
+    """Print the summary and the uncached tokens by cause, and write the requested files. A run this command just made that was interrupted
     exits 130 after writing (``rendering``: the record was loaded, not made, so it never does)."""
     if record.runs:
-        console.show(rich_table(summary(record)), to_stderr=stdout_taken(json_out, html, markdown))
+        to_stderr = stdout_taken(json_out, html, markdown)
+        console.show(rich_table(summary(record)), to_stderr=to_stderr)
+        if causes_report.analysed(record):
+            console.show(rich_table(causes_report.cause_table(record)), to_stderr=to_stderr)
     else:
         console.info(f"{record.source}: the run holds no requests")
     if json_out is not None:

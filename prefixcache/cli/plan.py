@@ -18,7 +18,7 @@ from prefixcache.cli.app import UsageError, app, user_errors
 from prefixcache.core import POLICIES
 from prefixcache.reports.document import write_html, write_markdown
 from prefixcache.reports.plan_report import answer_table, curve_table, document, tier_table, write_json
-from prefixcache.sim.kv_size import PRESETS, resolve_model
+from prefixcache.sim.kv_size import PRESETS, KVShape, resolve_model
 from prefixcache.sim.lru_curve import WEIGHTS
 from prefixcache.sim.plan import DEFAULT_PREFILL_RATE, TierRates, make_plan
 
@@ -27,7 +27,11 @@ from prefixcache.sim.plan import DEFAULT_PREFILL_RATE, TierRates, make_plan
 @user_errors
 def plan(
     trace: Annotated[
-        Path, typer.Argument(help="Hash-id trace (Mooncake JSONL, plain or .gz) or a scenario YAML that points to one.")
+        Path,
+        typer.Argument(
+            metavar="TRACE_OR_SCENARIO",
+            help="Hash-id trace (Mooncake JSONL, plain or .gz) or a scenario YAML that points to one.",
+        ),
     ],
     eviction: Annotated[
         list[str] | None,
@@ -123,6 +127,8 @@ def plan(
         f"{trace}: {len(tr):,} requests, {tr.num_blocks:,} block references, block size {tr.block_size}; "
         f"policies {', '.join(policies)}{' + optimal bound' if bound else ''}"
     )
+    if shape is not None:
+        console.info(kv_line(shape, dtype is not None))
     assert all(p in POLICIES for p in policies)
     pools: list[int] = []
     rates = None
@@ -169,3 +175,12 @@ def plan(
         if markdown is not None:
             md, *pngs = write_markdown(doc, markdown)
             console.info(f"Markdown written to {md} (plot {', '.join(pngs)})")
+
+
+def kv_line(shape: KVShape, dtype_given: bool) -> str:
+    """What the GB figures assume: the model's K/V shape and the dtype it was sized with (and where from)."""
+    where = "from --dtype" if dtype_given else "the default here; --dtype to change"
+    return (
+        f"KV sized for {shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x head dim {shape.head_dim}, "
+        f"{shape.dtype} ({where}) = {shape.bytes_per_token:,} bytes per token"
+    )

@@ -15,7 +15,7 @@ from prefixcache.reports.record import RunRecord, read_json, record_from_json
 @app.command()
 @user_errors
 def report(
-    run: Annotated[Path, typer.Argument(help="A run record (or a cluster record) written with --json.")],
+    run: Annotated[Path, typer.Argument(metavar="RUN", help="A run record (or a cluster record) written with --json.")],
     html: opt.HtmlOpt = None,
     markdown: opt.MarkdownOpt = None,
     json_out: opt.JsonOpt = None,

@@ -36,7 +36,11 @@ def register(app: typer.Typer) -> None:
     def serve(
         model: str = typer.Option("tiny", "--model", help="Built-in preset (tiny, small) or a local model directory."),
         max_cached_tokens: int | None = typer.Option(
-            None, "--max-cached-tokens", min=1, help="KV pool size per process, in tokens (default 32768)."
+            None,
+            "--max-cached-tokens",
+            min=1,
+            help="KV pool size per process, in tokens (default 32768); it costs the model's K/V bytes per token "
+            "x tokens, checked against the available memory before it is allocated.",
         ),
         block_size: int = typer.Option(16, "--block-size", min=1, help="Tokens per cached block."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
@@ -166,7 +170,7 @@ def register(app: typer.Typer) -> None:
                 rcfg = RayConfig(
                     replicas, address, router, router_abs_threshold, router_rel_threshold, router_min_match
                 )
-                status = run_ray(cfg, rcfg)
+                status = run_ray(cfg, rcfg, announce=console.info)
         except ValueError as exc:  # a bad model name or size, found while loading
             console.error(str(exc))
             raise typer.Exit(EXIT_USAGE) from None

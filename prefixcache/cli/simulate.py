@@ -29,7 +29,12 @@ from prefixcache.workload.scenario import Scenario
 @app.command()
 @user_errors
 def simulate(
-    source: Annotated[Path, typer.Argument(help="Scenario YAML, or a Mooncake-style JSONL trace (plain or .gz).")],
+    source: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SCENARIO_OR_TRACE", help="Scenario YAML, or a Mooncake-style JSONL trace (plain or .gz)."
+        ),
+    ],
     capacity: opt.CapacityOpt = None,
     capacity_blocks: opt.CapacityBlocksOpt = None,
     tier_capacity: opt.TierCapacityOpt = None,
@@ -102,7 +107,8 @@ def simulate(
     ] = None,
 ) -> None:
     """Replay a scenario or trace through the prefix cache without a model: hit rates, evictions, occupancy,
-    and why prefill was not saved (miss causes, divergence points).
+    and why prefill was not saved (uncached tokens by cause; the divergence points are in --json, --html and
+    --markdown, and 'prefixcache explain' shows them with what to change).
 
     Several --capacity/--capacity-blocks values give a sweep (one replay per capacity). Text and chat
     requests are tokenised with the built-in byte-level tokenizer; model replies are synthesised.

@@ -167,7 +167,7 @@ def document(record: dict[str, Any]) -> Document:
             [Figure("busy", "busy time per replica", plot_busy(record)), per_replica(record)],
         )
     )
-    doc.sections.append(Section("Settings", [Table(["setting", "value"], [[k, str(v)] for k, v in s.items()])]))
+    doc.sections.append(Section("Settings", [Table(["setting", "value"], fmt.setting_rows(s))]))
     return doc
 
 

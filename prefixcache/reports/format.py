@@ -43,3 +43,32 @@ def short(n: int | None) -> str:
 def gb(x: float | None) -> str:
     """Decimal gigabytes, 3 significant digits below 1,000."""
     return NONE if x is None else (f"{x:.3g}" if x < 1000 else f"{x:,.0f}")
+
+
+def setting(value: object) -> str:
+    """A setting's value for people: True -> "yes", None -> "—", 4096 and 4096.0 -> "4,096", 0.5 -> "0.5",
+    "torch.float32" -> "float32", a list -> its items joined by ", ", a dict -> "key: value" pairs."""
+    if value is None:
+        return NONE
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{int(value):,}" if value.is_integer() and abs(value) < 1e15 else f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(setting(v) for v in value) if value else NONE
+    if isinstance(value, dict):
+        return ", ".join(f"{setting_name(str(k))}: {setting(v)}" for k, v in value.items()) if value else NONE
+    text = str(value)
+    return text.removeprefix("torch.") if text.startswith("torch.") else text
+
+
+def setting_name(key: str) -> str:
+    """A setting's key for people: "block_size" -> "block size"."""
+    return key.replace("_", " ")
+
+
+def setting_rows(settings: dict[str, object]) -> list[list[str]]:
+    """A settings dict as rows of a two-column table, formatted for people."""
+    return [[setting_name(k), setting(v)] for k, v in settings.items()]

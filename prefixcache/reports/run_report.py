@@ -16,7 +16,7 @@ import numpy as np
 from prefixcache.reports import format as fmt
 from prefixcache.reports.causes_report import section as causes_section
 from prefixcache.reports.document import Document, Figure, Section, Table
-from prefixcache.reports.plots import new_figure, png
+from prefixcache.reports.plots import COLORS, STYLES, Series, draw, new_figure, png
 from prefixcache.reports.record import RunRecord
 from prefixcache.sim.results import Row
 
@@ -108,25 +108,66 @@ def _labels(record: RunRecord) -> list[str]:
     return [capacity_label(t) for t in record.totals()]
 
 
-def plot_hit_rate(record: RunRecord) -> bytes:
-    """Cumulative token hit rate (solid) and a moving window (faint) against request number, per capacity."""
-    fig, ax = new_figure()
-    for run, label in zip(record.runs, _labels(record)):
+MIN_WINDOW = 5  # requests in the smallest moving window drawn (runs of fewer than 2x that get none)
+
+
+def window_size(n: int) -> int | None:
+    """Requests in the moving window of a run of ``n`` measured requests (about 2% of them), or None."""
+    return max(MIN_WINDOW, n // 50) if n >= 2 * MIN_WINDOW else None
+
+
+def hit_rate_series(record: RunRecord) -> tuple[list[Series], int | None]:
+    """The hit-rate plot as data: per capacity its cumulative token hit rate (each capacity its own colour, line
+    style and staggered markers, so that capacities that cache alike stay visible) and, under it, a faint moving
+    window; and the window's size (None when no window is drawn)."""
+    out: list[Series] = []
+    windows: set[int] = set()
+    runs = [(run, label) for run, label in zip(record.runs, _labels(record)) if _measured(run.rows)]
+    for k, (run, label) in enumerate(runs):
         rows = _measured(run.rows)
-        if not rows:
-            continue
         prompt = np.array([r.prompt_tokens for r in rows], dtype=float)
         cached = np.array([r.cached_tokens for r in rows], dtype=float)
-        x = np.arange(1, len(rows) + 1)
-        (line,) = ax.plot(x, np.cumsum(cached) / np.maximum(np.cumsum(prompt), 1), label=label)
-        w = max(1, len(rows) // 50)
-        if w > 1:
+        x = np.arange(1, len(rows) + 1, dtype=float)
+        color = COLORS[k % len(COLORS)]
+        line, marker = STYLES[k % len(STYLES)]
+        cumulative = np.cumsum(cached) / np.maximum(np.cumsum(prompt), 1)
+        out.append(
+            Series(
+                label,
+                tuple(x),
+                tuple(cumulative),
+                color,
+                line,
+                marker,
+                zorder=3 + k,
+                mark_from=k / len(runs),
+                size=max(3.0, 8.0 - 2 * k),
+            )
+        )
+        w = window_size(len(rows))
+        if w is not None:
+            windows.add(w)
             pw, cw = np.convolve(prompt, np.ones(w), "valid"), np.convolve(cached, np.ones(w), "valid")
-            ax.plot(x[w - 1 :], cw / np.maximum(pw, 1), color=line.get_color(), alpha=0.25, lw=0.8)
+            out.append(Series(None, tuple(x[w - 1 :]), tuple(cw / np.maximum(pw, 1)), color, line, faint=True))
+    return out, (windows.pop() if len(windows) == 1 else max(windows, default=None))
+
+
+def hit_rate_title(window: int | None) -> str:
+    """The hit-rate plot's title: it mentions the moving window only when one is drawn."""
+    if window is None:
+        return "Hit rate over the run (cumulative)"
+    return f"Hit rate over the run (cumulative; faint: moving window of {window} requests)"
+
+
+def plot_hit_rate(record: RunRecord) -> bytes:
+    """Cumulative token hit rate and a faint moving window against request number, per capacity."""
+    series, window = hit_rate_series(record)
+    fig, ax = new_figure()
+    draw(ax, series)
     ax.set_xlabel("request")
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
-    ax.set_title("Hit rate over the run (cumulative; faint: moving window)")
+    ax.set_title(hit_rate_title(window))
     ax.legend(fontsize=8)
     return png(fig)
 
@@ -153,19 +194,30 @@ def plot_saved(record: RunRecord) -> bytes:
     return png(fig)
 
 
+def ttft_series(record: RunRecord) -> list[Series]:
+    """The TTFT scatter as data: per capacity, cached (dots) and uncached (crosses) TTFT in ms per request, in
+    that capacity's colour, as the summary table has a cached and an uncached figure per column; empty without
+    timings."""
+    out: list[Series] = []
+    for k, (run, label) in enumerate(zip(record.runs, _labels(record))):
+        rows = _measured(run.rows)
+        x = tuple(float(r.index) for r in rows)
+        color = COLORS[k % len(COLORS)]
+        for name, marker, field in (("cached", "o", "ttft_cached_s"), ("uncached", "x", "ttft_uncached_s")):
+            values: list[float | None] = [getattr(r, field) for r in rows]
+            if any(v is not None for v in values):
+                y = tuple(np.nan if v is None else 1000 * v for v in values)
+                out.append(Series(f"{name}, {label}", x, y, color, None, marker, zorder=3 + k))
+    return out
+
+
 def plot_ttft(record: RunRecord) -> bytes | None:
-    """TTFT per request: uncached, and cached at every capacity of the run; None without timings."""
-    runs = [_measured(run.rows) for run in record.runs]
-    if not any(r.ttft_cached_s is not None for rows in runs for r in rows):
+    """TTFT per request, cached and uncached, at every capacity of the run; None without timings."""
+    series = ttft_series(record)
+    if not any(s.label is not None and s.label.startswith("cached") for s in series):
         return None
     fig, ax = new_figure()
-    for k, (rows, label) in enumerate(zip(runs, _labels(record))):
-        x = [r.index for r in rows]
-        if k == 0 and any(r.ttft_uncached_s is not None for r in rows):
-            y = [np.nan if r.ttft_uncached_s is None else 1000 * r.ttft_uncached_s for r in rows]
-            ax.plot(x, y, ".", label="uncached", color="tab:red", ms=4)
-        y = [np.nan if r.ttft_cached_s is None else 1000 * r.ttft_cached_s for r in rows]
-        ax.plot(x, y, ".", label=f"cached, {label}", ms=4)
+    draw(ax, series)
     ax.set_xlabel("request")
     ax.set_ylabel("time to first token (ms)")
     ax.set_title("TTFT cached vs uncached")
@@ -208,8 +260,8 @@ def figures(record: RunRecord) -> list[Figure]:
     if not any(run.rows for run in record.runs):
         return []
     out = []
-    for stem, caption, draw in PLOTS:
-        data = draw(record)
+    for stem, caption, plot in PLOTS:
+        data = plot(record)
         if data is not None:
             out.append(Figure(stem, caption, data))
     return out
@@ -226,7 +278,5 @@ def document(record: RunRecord) -> Document:
     if why is not None:
         doc.sections.append(why)
     doc.sections += [Section(f.caption, [f]) for f in figures(record)]
-    doc.sections.append(
-        Section("Settings", [Table(["setting", "value"], [[k, str(v)] for k, v in record.settings.items()])])
-    )
+    doc.sections.append(Section("Settings", [Table(["setting", "value"], fmt.setting_rows(record.settings))]))
     return doc

@@ -17,10 +17,12 @@ fails (a full disk, a Redis server gone) is reported once with a ``TierWarning``
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -94,6 +96,7 @@ class KVTier:
         self._restore()
         self._thread = threading.Thread(target=self._run, name="prefixcache-tier-writer", daemon=True)
         self._thread.start()
+        atexit.register(_flush_at_exit, weakref.ref(self))  # a script that never calls close() keeps its writes
 
     # ---- index ---------------------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -355,6 +358,12 @@ class KVTier:
             d["tier_entry_bytes"] = self.binding.entry_bytes
             d["tier_last_error"] = self.last_error
             return d
+
+
+def _flush_at_exit(ref: weakref.ReferenceType[KVTier]) -> None:
+    tier = ref()
+    if tier is not None and not tier._closed:
+        tier.flush(timeout=30.0)
 
 
 def _layer_sides(pool: Any) -> list[torch.Tensor]:

@@ -189,6 +189,13 @@ ROWS = [
     Field(BOTH, "user", {"user": "u-1"}, {"user": 5}),
     Field(BOTH, "cache_salt", {"cache_salt": "t"}, {"cache_salt": ""}),
     Field(BOTH, "cache_salt", {"cache_salt": "t"}, {"cache_salt": 5}),
+    # penalties (OpenAI: -2..2) and logit_bias: only their neutral values are served, the rest refused, not ignored
+    Field(BOTH, "frequency_penalty", {"frequency_penalty": 0}, {"frequency_penalty": 0.5}),
+    Field(BOTH, "frequency_penalty", {"frequency_penalty": None}, {"frequency_penalty": 2.5}),
+    Field(BOTH, "presence_penalty", {"presence_penalty": 0.0}, {"presence_penalty": -1}),
+    Field(BOTH, "presence_penalty", {"presence_penalty": 0}, {"presence_penalty": "high"}),
+    Field(BOTH, "logit_bias", {"logit_bias": {}}, {"logit_bias": {"50256": -100}}),
+    Field(BOTH, "logit_bias", {"logit_bias": None}, {"logit_bias": [1, 2]}),
     # completions' logprobs: an integer 0..5, on the engine, not with stream
     Field((CMPL,), "logprobs", {"logprobs": 5}, {"logprobs": 6}, on=("engine",)),
     Field((CMPL,), "logprobs", {"logprobs": 0}, {"logprobs": -1}, on=("engine",)),

@@ -21,6 +21,7 @@ from engine.serve.app import REPLICA_HEADER
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.timeout(600)  # Ray and Serve come up in the first test's setup: ~90 s on 2 loaded cores
 
 BS = 16
 POOL_BLOCKS = 40

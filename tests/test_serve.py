@@ -569,6 +569,7 @@ def test_sampling_requests_run_batched_too(srv):
     _idle(backend, pcm)
 
 
+@pytest.mark.timeout(600)  # starts `prefixcache serve` as a subprocess: ~90 s on 2 loaded cores
 def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, bare):
     model, tok = bare
     want = bare_greedy(model, list(tok("finish me").input_ids), 300)

@@ -136,3 +136,25 @@ def test_every_step_keeps_the_caps_and_every_row_its_own_max_tokens(w):
         assert list(res.output) == list(bare_greedy(ARCH, tuple(p), k))
         assert (res.finish_reason, res.completion_tokens) == ("length", k)
     assert_idle(engine)
+
+
+def test_a_cancelled_request_leaves_before_the_next_step():
+    """A running request cancelled between steps is in no later step: it ends "cancelled" with the tokens it had,
+    and the request beside it runs on to the bare model's greedy output."""
+    gen = torch.Generator().manual_seed(22)
+    prompts = [rand_tokens(gen, 6), rand_tokens(gen, 7)]
+    engine = make_engine(ARCH, 4, 64, max_step_tokens=16, max_chunk_tokens=8, max_running=4)
+    steps = recording(engine)
+    (a, sink_a), (_, sink_b) = (submit(engine, rid, p, SamplingParams(max_tokens=8)) for rid, p in zip("ab", prompts))
+    for _ in range(3):  # both prefill in the first step, then decode
+        step_checked(engine)
+    had = list(a.output)
+    assert len(had) == 3
+    a.cancel()
+    run(engine)
+    assert all("a" not in [rid for rid, *_ in plan] for plan in steps[3:])
+    res = sink_a.result
+    assert res is not None and res.finish_reason == "cancelled" and res.error is None
+    assert list(res.output) == had == list(bare_greedy(ARCH, tuple(prompts[0]), 3)) and sink_a.streamed == had
+    assert list(sink_b.result.output) == list(bare_greedy(ARCH, tuple(prompts[1]), 8))
+    assert_idle(engine)

@@ -58,3 +58,49 @@ def test_calls_queued_during_a_batch_wait_for_the_returning_callers():
     assert (batches, rows, largest) == (2, 3, 2)
     for p, out, n in zip(prompts, outs, (BLOCKER, 6, 6)):
         assert out == bare_greedy(model, p, n)
+
+
+def test_mixed_limits_batch_cap_and_sampling_groups():
+    """Calls queued together: at most ``max_batch_size`` per batch, oldest first; in a mixed batch each row gets
+    exactly its own max_tokens of the bare model's greedy tokens (never one more); calls whose top_p differ never
+    share a batch, and each batch samples with its own calls' settings."""
+    model, tok = build_preset(MODEL)
+    pcm = load_wrapped(MODEL, max_cached_tokens=8_192, block_size=16)
+    seen: list[dict] = []
+    generate = pcm.generate
+
+    def recording(*args, **kwargs):
+        seen.append({k: kwargs.get(k) for k in ("max_new_tokens", "top_p", "temperature", "do_sample")})
+        seen[-1]["rows"] = args[0].shape[0]
+        return generate(*args, **kwargs)
+
+    pcm.generate = recording
+    prompts = [list(tok(t).input_ids) for t in ("mixed limits one", "two, a longer prompt", "three")]
+    limits = [2, 7, 3]
+
+    async def scenario() -> tuple[list[list[int]], list[int], int]:
+        batcher = Batcher(pcm, max_batch_size=2, batch_wait_ms=50)
+        await batcher.start()
+        try:
+            greedy = [GenerateCall(f"g{i}", tuple(p), "", n) for i, (p, n) in enumerate(zip(prompts, limits))]
+            outs = await asyncio.gather(*(_collect(batcher, c) for c in greedy))
+            sampled = [
+                GenerateCall(f"s{i}", tuple(prompts[0]), "", 4, temperature=0.8, top_p=top_p)
+                for i, top_p in enumerate((0.9, 0.5, 0.9))
+            ]
+            lengths = [len(o) for o in await asyncio.gather(*(_collect(batcher, c) for c in sampled))]
+            largest = batcher.largest_batch
+        finally:
+            await batcher.stop()
+        return list(outs), lengths, largest
+
+    outs, lengths, largest = asyncio.run(scenario())
+    for p, out, n in zip(prompts, outs, limits):
+        assert out == bare_greedy(model, p, n)
+        assert len(out) == n  # the tiny model emits no EOS this early, so every row runs to its limit
+    assert largest == 2
+    # the greedy calls: the oldest two together (the longer limit drives generate), then the third alone
+    assert [(s["rows"], s["max_new_tokens"], s["do_sample"]) for s in seen[:2]] == [(2, 7, False), (1, 3, False)]
+    # the sampled calls: top_p 0.9 twice together, then top_p 0.5 alone, each with its own settings
+    assert sorted((s["rows"], s["top_p"], s["temperature"]) for s in seen[2:]) == [(1, 0.5, 0.8), (2, 0.9, 0.8)]
+    assert all(n <= 4 for n in lengths)

@@ -15,6 +15,7 @@ from prefixcache.sim.policy import Capacity
 from prefixcache.sim.queueing import PrefillQueue
 from prefixcache.sim.replay import replay
 from prefixcache.sim.requests import from_scenario, from_trace
+from prefixcache.sim.routing import LoadGuard
 from prefixcache.workload.scenario import load_scenario
 from prefixcache.workload.trace import load_trace, trace_from_lists
 
@@ -61,23 +62,170 @@ def test_chunked_queue_changes_delays_not_routing():
     assert res.queue_delay_s == pytest.approx((0.5, 0.5, 0.0))
     s = res.summary()
     assert (s["prefill_queue"], s["prefill_step_tokens"], s["prefill_chunk_tokens"]) == ("chunked", 32, 16)
-    # on a real trace: the very same decisions and hits under both queues; each result gives the other's delays
-    reqs = from_trace(load_trace(HEAD))
-    fcfs, chunk = (
-        cluster_replay(reqs, ClusterSpec(3, Capacity(40), "prefix_balanced", load=LoadModel(2_000, q)))
-        for q in (PrefillQueue(), chunked)
+    # on a real trace, under both queues: the routing equals the brute-force reference (which knows no queue:
+    # the load it routes by is the same under both), and each queue's delays equal its by-hand reference
+    trace = load_trace(HEAD).take(list(range(120)))
+    rate, guard = 2_000, LoadGuard(4_000, 1.5)
+    ref = _prefix_balanced_by_hand(trace, 3, 40, rate, guard)
+    assert {"prefix", "load", "cold"} <= set(ref.reason)  # every branch of the policy is taken
+    for queue in (PrefillQueue(), chunked):
+        spec = ClusterSpec(3, Capacity(40), "prefix_balanced", guard=guard, load=LoadModel(rate, queue), near=0.0)
+        res = cluster_replay(from_trace(trace), spec)
+        assert list(res.replica) == ref.replica and list(res.reason) == ref.reason
+        assert list(res.prefill_tokens) == ref.work
+        for r in range(3):
+            mine = [k for k, x in enumerate(ref.replica) if x == r]
+            arrival = [ref.arrival[k] for k in mine]
+            work = [ref.work[k] for k in mine]
+            want = (
+                _fcfs_by_hand(arrival, work, rate)
+                if queue == PrefillQueue()
+                else _chunked_by_hand(arrival, work, rate, 32, 16)
+            )
+            assert [res.queue_delay_s[k] for k in mine] == pytest.approx(want, abs=1e-9)
+        assert max(res.queue_delay_s) > 0
+
+
+class _Routed:
+    """The brute-force reference's decisions: per request the replica, the reason, its prefill work and arrival."""
+
+    def __init__(self) -> None:
+        self.replica: list[int] = []
+        self.reason: list[str] = []
+        self.work: list[int] = []
+        self.arrival: list[float] = []
+
+
+def _prefix_balanced_by_hand(trace, n: int, cap: int, rate: float, guard: LoadGuard, min_match: float = 0.3):
+    """prefix_balanced (near 0) from its documented rules, with no index and no load model of the code's: what
+    replica r would serve of request i is found by replaying r's own requests so far, then i, through a fresh
+    cache of ``cap`` blocks; r's load is the prefill it has not finished at i's arrival (one prompt at a time)."""
+    out = _Routed()
+    free_at = [0.0] * n
+    turn = 0
+
+    def pick(tied: list[int]) -> int:
+        nonlocal turn
+        if len(tied) == 1:
+            return tied[0]
+        turn += 1
+        return tied[(turn - 1) % len(tied)]
+
+    def least(cands: list[int], loads: list[float]) -> int:
+        low = min(loads[r] for r in cands)
+        return pick([r for r in cands if loads[r] == low])
+
+    for i in range(len(trace)):
+        now = float(trace.timestamp[i]) / 1000
+        loads = [max(0.0, free_at[r] - now) * rate for r in range(n)]
+        served = []
+        for r in range(n):
+            mine = [k for k, x in enumerate(out.replica) if x == r]
+            served.append(replay(from_trace(trace.take([*mine, i])), Capacity(cap)).rows[-1].cached_tokens)
+        bs = trace.block_size
+        held = [c // bs for c in served]
+        blocks = len(trace.hash_ids(i))
+        hi, lo = max(loads), min(loads)
+        if hi - lo > guard.abs_threshold and hi > lo * guard.rel_threshold:
+            r, why = least(list(range(n)), loads), "load"
+        elif max(held) == 0:
+            r, why = least(list(range(n)), loads), "cold"
+        elif max(held) < min_match * blocks:
+            r, why = least(list(range(n)), loads), "short"
+        else:
+            r, why = least([x for x in range(n) if held[x] == max(held)], loads), "prefix"
+        work = int(trace.input_length[i]) - served[r]
+        free_at[r] = max(now, free_at[r]) + work / rate
+        out.replica.append(r)
+        out.reason.append(why)
+        out.work.append(work)
+        out.arrival.append(now)
+    return out
+
+
+def _fcfs_by_hand(arrival: list[float], work: list[int], rate: float) -> list[float]:
+    """One prompt at a time in arrival order: each waits until the replica's earlier work is done."""
+    done, out = 0.0, []
+    for a, w in zip(arrival, work):
+        out.append(max(0.0, done - a))
+        done = max(a, done) + w / rate
+    return out
+
+
+def _chunked_by_hand(arrival: list[float], work: list[int], rate: float, step: int, cap: int) -> list[float]:
+    """Steps of at most ``step`` tokens, each prompt at most ``cap`` of a step, started prompts first (in the order
+    they started), then arrived ones in arrival order; a step lasts its tokens / rate; a prompt's delay is its
+    finish - arrival - work / rate."""
+    left = {k: w for k, w in enumerate(work)}
+    started: list[int] = []
+    queue: list[int] = []
+    out = [0.0] * len(work)
+    t, k = 0.0, 0
+    while k < len(work) or started or queue:
+        if not started and not queue and arrival[k] > t:
+            t = arrival[k]
+        while k < len(work) and arrival[k] <= t:
+            queue.append(k)
+            k += 1
+        used = 0
+        for j in [*started, *queue]:
+            if used == step and j in queue:
+                break
+            give = min(left[j], cap, step - used)
+            if j in queue:
+                queue.remove(j)
+                started.append(j)
+            left[j] -= give
+            used += give
+        t += used / rate
+        for j in [j for j in started if left[j] == 0]:
+            started.remove(j)
+            out[j] = max(0.0, t - arrival[j] - work[j] / rate)
+    return out
+
+
+def test_guard_loads_are_tokens_of_unfinished_prefill():
+    # replica 0 serves A (10 blocks, 160 tokens, cold) at t=0; B at t=0 holds A's 10 blocks + 1 there; at 16
+    # tokens/s replica 0 then has 160 tokens (10 s) of prefill to do, replica 1 none. A guard of 159 tokens finds
+    # that unbalanced (B goes by load to replica 1), one of 160 does not (B follows its prefix, 160 cached)
+    tr = trace_from_lists([list(range(1, 11)), list(range(1, 12))], block_size=16, timestamp=[0, 0])
+    for abs_tokens, replicas, reasons, cached in (
+        (159, (0, 1), ("cold", "load"), [0, 0]),
+        (160, (0, 0), ("cold", "prefix"), [0, 160]),
+    ):
+        spec = ClusterSpec(2, Capacity(100), guard=LoadGuard(abs_tokens, 1.5), load=LoadModel(16), near=0.0)
+        res = cluster_replay(from_trace(tr), spec)
+        assert (res.replica, res.reason) == (replicas, reasons), abs_tokens
+        assert [row.cached_tokens for row in res.run.rows] == cached
+
+
+def test_cache_hits_are_not_prefilled():
+    # B shares A's first 3 of 4 blocks: it prefills 16 tokens (0.25 s at 64 tokens/s), not 64; C arrives at 1.2 s
+    # while B (queued behind A until 1.0) runs until 1.25
+    tr = trace_from_lists([[1, 2, 3, 4], [1, 2, 3, 9], [20]], block_size=16, timestamp=[0, 500, 1200])
+    res = cluster_replay(from_trace(tr), ClusterSpec(1, Capacity(100), "least_loaded", load=LoadModel(64)))
+    assert res.prefill_tokens == (64, 16, 16)
+    assert res.queue_delay_s == pytest.approx((0.0, 0.5, 0.05))
+    assert res.summary()["busy_s_per_replica"] == pytest.approx([1.5])
+
+
+def test_backlog_counts_from_the_arrival_after_an_idle_gap_and_adds_up_when_busy():
+    # 2 replicas, least loaded, 64 tokens/s; loads by hand (tokens left at each arrival), ties in turn:
+    # A t=0 128 tok: (0, 0) tie -> 0 | B t=0 64: (128, 0) -> 1 | C t=10 64: (0, 0) tie -> 1 (its turn)
+    # D t=10 32: (0, 64) -> 0 | E t=10 16: (32, 64) -> 0 (replica 1's work from t=10, not from its idle t=1)
+    tr = trace_from_lists(
+        [list(range(1, 9)), list(range(10, 14)), list(range(20, 24)), [30, 31], [40]],
+        block_size=16,
+        timestamp=[0, 0, 10_000, 10_000, 10_000],
     )
-    assert fcfs.replica == chunk.replica and fcfs.run.totals() == chunk.run.totals()
-    assert fcfs.arrival_s == chunk.arrival_s and fcfs.prefill_tokens == chunk.prefill_tokens
-    assert list(chunk.queue_delay_s) == fcfs.delays(chunked)
-    assert list(fcfs.queue_delay_s) == chunk.delays(PrefillQueue())
-    assert fcfs.summary(chunked) == chunk.summary() and chunk.summary(PrefillQueue()) == fcfs.summary()
-    assert max(fcfs.queue_delay_s) > 0 and fcfs.queue_delay_s != chunk.queue_delay_s
-    busy: dict[int, float] = {}  # fcfs by hand: a request starts when its replica's earlier work is done
-    for r, a, n, d in zip(fcfs.replica, fcfs.arrival_s, fcfs.prefill_tokens, fcfs.queue_delay_s):
-        start = max(a, busy.get(r, 0.0))
-        assert d == pytest.approx(start - a)
-        busy[r] = start + n / 2_000
+    res = cluster_replay(from_trace(tr), ClusterSpec(2, Capacity(100), "least_loaded", load=LoadModel(64)))
+    assert res.replica == (0, 1, 1, 0, 0)
+    assert res.queue_delay_s == pytest.approx((0.0, 0.0, 0.0, 0.0, 0.5))
+    # all at t=0: A 48 -> 0 | B 16: (48, 0) -> 1 | C, D 16: (48, 16), (48, 32) -> 1 | E: (48, 48) tie -> 1 (turn 1)
+    # | F: (48, 64) -> 0: replica 1's queue adds up (a load of its last prompt alone would keep F there)
+    tr = trace_from_lists([[1, 2, 3], [4], [5], [6], [7], [8]], block_size=16, timestamp=[0] * 6)
+    res = cluster_replay(from_trace(tr), ClusterSpec(2, Capacity(100), "least_loaded", load=LoadModel(16)))
+    assert res.replica == (0, 1, 1, 1, 1, 0)
 
 
 def test_least_loaded_uses_outstanding_work_not_counts():

@@ -301,6 +301,7 @@ def test_preset_names_load_without_a_folder():
         PrefixCacheLM(pretrained="no/such/model")
 
 
+@pytest.mark.timeout(600)  # a subprocess that imports lm-eval and runs a task: ~70 s on 2 loaded cores
 def test_cli_runs_lm_eval_with_the_model_registered(model_dir, task_dir, tmp_path):
     out = tmp_path / "results"
     args = ["--model", "prefixcache", "--model_args", f"pretrained={model_dir},dtype=float32,max_cached_tokens=4096"]

@@ -21,6 +21,7 @@ from engine.serve.app import REPLICA_HEADER
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.timeout(600)  # Ray and Serve come up in the first test's setup: ~90 s on 2 loaded cores
 
 BS = 16
 POOL_BLOCKS = 40
@@ -165,3 +166,41 @@ def test_outstanding_counts_choices_at_once_and_ends_them_on_completion():
     assert out.loads(["a", "b"]) == {"a": 0, "b": 1}
     out.completed("q3")
     assert out.loads(["a", "b"]) == {"a": 0, "b": 0}
+
+
+def test_index_holder_applies_each_event_batch_once():
+    """A replica resends what the holder has not acknowledged: a batch numbered at or below the last applied one
+    is skipped (applying it twice would contradict the index and make it forget the replica); a lost batch (a
+    gap) makes it forget that replica's blocks. References: the prompts' blocks counted by hand."""
+    from engine.serve.router import IndexHolder
+    from prefixcache import CacheConfig, PrefixCache
+
+    bs, space = 4, "fp:t"
+    cache = PrefixCache(CacheConfig(num_blocks=6, block_size=bs))
+    events: list = []
+    cache.subscribe(events.append)
+
+    def batch(tokens: list[int]) -> tuple:
+        m = cache.match(tokens, space)
+        cache.commit(m.handle)
+        cache.release(m.handle)
+        out = tuple(events)
+        events.clear()
+        return out
+
+    p1 = list(range(1, 14))  # 13 tokens: 3 full blocks, all servable ((13 - 1) // 4)
+    p2 = [*range(1, 9), 50, 51, 52, 53, 54]  # shares p1's first 2 blocks, then 1 of its own
+    holder = IndexHolder(block_size=bs)
+    b1 = batch(p1)
+    assert holder.publish("r1", "fp", [(1, b1)], {}) == 1
+    assert holder.match(p1, "t") == ({"r1": 3}, 3)
+    assert holder.publish("r1", "fp", [(1, b1)], {}) == 1  # re-sent whole: skipped
+    b2 = batch(p2)
+    assert holder.publish("r1", "fp", [(1, b1), (2, b2)], {}) == 2  # the unacknowledged tail after a re-sent one
+    assert holder.match(p1, "t") == ({"r1": 3}, 3) and holder.match(p2, "t") == ({"r1": 3}, 3)
+    assert holder.desyncs == 0 and holder.figures()["r1"]["index_blocks"] == 4
+    assert holder.match(p1, "other") == ({}, 3)  # another tenant holds nothing
+    holder.publish("r1", "fp", [(4, ())], {})  # batch 3 was lost: what r1 holds is unknown now
+    assert holder.desyncs == 1 and holder.match(p1, "t") == ({}, 3)
+    with pytest.raises(ValueError, match="another model"):
+        holder.publish("r2", "fp2", [(1, ())], {})

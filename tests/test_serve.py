@@ -145,23 +145,62 @@ def test_streaming_yields_the_same_text_and_usage(srv, bare):
 
 
 def test_cache_salt_isolates_tenants(srv, bare):
+    """Salts never share a block; the ``cache_salt`` field, else the ``X-Cache-Salt`` header, names the tenant.
+    Every step asks where only one of the two candidate namespaces holds the prompt, so each can fail."""
     url, client, pcm, backend = srv
     _, tok = bare
-    a, b = _salt(), _salt()
-    prompt = "The same long prompt sent by two tenants who must never share a cached block. " * 2
+    a, b, fresh1, fresh2, fresh3 = (_salt() for _ in range(5))
+    prompt = f"The same long prompt {_salt()} sent by tenants who must never share a cached block. " * 2
     full = (len(tok(prompt).input_ids) - 1) // BS * BS
 
     def cached(**extra) -> int:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, **extra)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens  # OpenAI's rule, hit or not
         return r.usage.prompt_tokens_details.cached_tokens
 
+    assert full >= 2 * BS
     assert cached(extra_body={"cache_salt": a}) == 0
     assert cached(extra_body={"cache_salt": a}) == full
     assert cached(extra_body={"cache_salt": b}) == 0  # b never sees a's blocks
-    assert cached(extra_headers={"X-Cache-Salt": b}) == full  # the header names the same tenant as the field
-    assert cached(extra_headers={"X-Cache-Salt": a}, extra_body={"cache_salt": b}) == full  # the field wins
+    assert cached(extra_body={"cache_salt": b}) == full
     assert cached() == 0  # no salt: the default namespace, shared with no salted tenant
     assert cached() == full
+    # the header alone names a tenant: a fresh one finds nothing (the default namespace holds the prompt)
+    assert cached(extra_headers={"X-Cache-Salt": fresh1}) == 0
+    assert cached(extra_headers={"X-Cache-Salt": a}) == full
+    # the field wins over the header, both ways: a fresh field beside a holding header, and the reverse
+    assert cached(extra_headers={"X-Cache-Salt": a}, extra_body={"cache_salt": fresh2}) == 0
+    assert cached(extra_headers={"X-Cache-Salt": fresh3}, extra_body={"cache_salt": b}) == full
+    assert cached(extra_headers={"X-Cache-Salt": fresh3}) == 0  # the last request cached nothing under fresh3
+    _idle(backend, pcm)
+
+
+def test_requests_at_the_context_boundary(srv):
+    """A prompt plus max_tokens exactly filling the context (2,048) runs to its length, the last valid token id is
+    served, and max_completion_tokens wins over max_tokens, on the real engine (ignore_eos: every row runs to its
+    limit); one token more than the context is refused before anything runs."""
+    url, client, pcm, backend = srv
+    ctx, vocab = backend.info.context_length, backend.info.vocab_size
+    prompt = [(7 * i) % 256 for i in range(ctx - 4)] + [vocab - 1]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (ctx - 3, 3, ctx)
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 4}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [*prompt, vocab]}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    messages = [{"role": "user", "content": "limits"}]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=9,
+        temperature=0,
+        extra_body={"max_completion_tokens": 4, "ignore_eos": True},
+    )
+    assert chat.usage.completion_tokens == 4 and chat.choices[0].finish_reason == "length"
     _idle(backend, pcm)
 
 
@@ -530,6 +569,7 @@ def test_sampling_requests_run_batched_too(srv):
     _idle(backend, pcm)
 
 
+@pytest.mark.timeout(600)  # starts `prefixcache serve` as a subprocess: ~90 s on 2 loaded cores
 def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, bare):
     model, tok = bare
     want = bare_greedy(model, list(tok("finish me").input_ids), 300)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible wire format: request models (pydantic, strict types), error objects, response bodies.
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type, and features this server does not
-implement (``n > 1``, tools), are a 400 with an OpenAI-style error object
+implement (``n > 1``, tools, non-zero penalties, ``logit_bias``), are a 400 with an OpenAI-style error object
 ``{"error": {"message", "type", "param", "code"}}``. Beside OpenAI's fields the server takes vLLM's ``top_k``,
 ``stop_token_ids`` and ``ignore_eos``. Those, ``stop`` strings, ``seed``, ``logprobs`` and ``echo`` need the
 engine: a model served by the batched-generate fallback refuses them (``engine=False`` below).
@@ -73,6 +73,9 @@ class _Request(BaseModel):
     seed: int | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # OpenAI's range; only 0 is served
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # only none (or {}) is served
 
     def check_supported(self, engine: bool) -> None:
         """Raise APIError(400) for a feature this server does not implement (rather than ignore it); ``engine``:
@@ -81,6 +84,11 @@ class _Request(BaseModel):
             raise APIError(400, "n > 1 is not supported; send one request per completion", param="n")
         if any(not s for s in self.stop_strings()):
             raise APIError(400, "stop holds an empty string", param="stop")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (0 or null only)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported (null or {} only)", param="logit_bias")
         if not engine:
             for name in ("seed", "top_k", "stop_token_ids"):
                 if getattr(self, name) is not None:

@@ -74,6 +74,16 @@ def encode(binding: bytes, key: bytes, tokens: bytes, kv: bytes | memoryview) ->
     return b"".join((header, tokens, kv))
 
 
+def encode_into(buf: memoryview, binding: bytes, key: bytes, tokens: bytes) -> None:
+    """Write an entry's header and token ids into ``buf``, whose K/V bytes are in place after them already
+    (``buf`` is one whole entry: ``HEADER.size + len(tokens) + kv bytes``). Changes ``buf``."""
+    start = HEADER.size + len(tokens)
+    buf[HEADER.size : start] = tokens
+    kv = buf[start:]
+    n = len(tokens) // TOKEN_BYTES
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, 0, binding, key, n, len(kv), checksum(tokens, kv), time.time_ns())
+
+
 def decode(
     raw: bytes | memoryview, binding: bytes, key: bytes, tokens: bytes | memoryview, kv_bytes: int
 ) -> memoryview:

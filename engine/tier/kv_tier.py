@@ -18,7 +18,9 @@ fails (a full disk, a Redis server gone) is reported once with a ``TierWarning``
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import threading
 import time
 import warnings
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.tier.entry import EntryError, TierBinding, decode, encode
+from engine.tier.entry import HEADER, EntryError, TierBinding, decode, encode_into
 from engine.tier.lmdb_store import StoreError
 from prefixcache.core.hashing import TOKEN_DTYPE, chain_hashes, namespace_root, xxh3_hasher
 from prefixcache.core.tier import TierIndex
@@ -39,6 +41,7 @@ from prefixcache.core.tier import TierIndex
 log = logging.getLogger("prefixcache.tier")
 MAX_QUEUE_BYTES = 512 << 20  # K/V bytes waiting for the writer; beyond this, writes are skipped
 WRITE_BATCH_BYTES = 64 << 20  # bytes per store transaction
+WRITER_NICE = 19  # the writer thread's nice value (Linux): it takes only CPU the forwards leave
 RETRY_S = 5.0  # after a store failure, a shared tier is not asked again for this long
 
 
@@ -84,7 +87,10 @@ class KVTier:
         self._ops: deque[tuple[str, Any]] = deque()  # ("put", (key, tokens, rows, j)) | ("del", key)
         self._queued = 0  # K/V bytes in queued puts
         self._busy = False
-        self._pending: dict[bytes, tuple[bytes, torch.Tensor, int]] = {}  # key -> (tokens, rows, row) until written
+        # key -> (token bytes, entry buffers, row) until written: row r of ``buf`` is a whole entry, its K/V from
+        # ``kv_at`` on (copied there from the pool by ``save``; header and tokens written by the writer)
+        self._pending: dict[bytes, tuple[bytes, torch.Tensor, int]] = {}
+        self.kv_at = HEADER.size + binding.block_size * 4
         self._closed = False
         if store.capped:
             self._warn(
@@ -184,7 +190,7 @@ class KVTier:
                 if held is None:
                     todo.append(i)
                 else:
-                    rows[i] = held[1][held[2]]
+                    rows[i] = held[1][held[2], self.kv_at :]
         got = self._read(keys, tokens, todo, rows) if todo else n
         c = self.counters
         c.loaded_blocks += got
@@ -253,7 +259,10 @@ class KVTier:
                     lost = {keys[first + j] for j in new}
                     index.add([k for k in keys if k not in lost])
                 return
-        rows = read_rows(pool, [block_ids[j] for j in new], self.binding) if new else None
+        rows = None
+        if new:
+            rows = torch.empty((len(new), self.kv_at + self.kv_bytes), dtype=torch.uint8)
+            read_rows(pool, [block_ids[j] for j in new], rows[:, self.kv_at :])
         with self._cv:
             for r, j in enumerate(new):
                 assert rows is not None
@@ -268,14 +277,17 @@ class KVTier:
             self._cv.notify()
 
     def _run(self) -> None:
-        """The writer: takes queued puts and deletes in order, a batch per transaction."""
+        """The writer: takes queued puts and deletes in order, a batch per transaction. It runs at the lowest
+        CPU priority (Linux threads have their own nice value), so a forward never waits for it for a core."""
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             with self._cv:
                 while not self._ops and not self._closed:
                     self._cv.wait()
                 if not self._ops and self._closed:
                     return
-                puts: list[tuple[bytes, bytes]] = []
+                puts: list[tuple[bytes, bytes | memoryview]] = []
                 put_keys: list[bytes] = []
                 deletes: list[bytes] = []
                 size = 0
@@ -289,9 +301,11 @@ class KVTier:
                     if held is None:  # evicted from the tier before it was written
                         continue
                     tok, rows, r = held
-                    puts.append((self.prefix + key, encode(self.prefix, key, tok, rows[r].numpy().data)))
+                    entry = rows[r].numpy().data
+                    encode_into(entry, self.prefix, key, tok)
+                    puts.append((self.prefix + key, entry))
                     put_keys.append(key)
-                    size += len(puts[-1][1])
+                    size += len(entry)
                 self._busy = True
             try:
                 self._write(puts, put_keys, deletes)
@@ -300,7 +314,7 @@ class KVTier:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _write(self, puts: list[tuple[bytes, bytes]], put_keys: list[bytes], deletes: list[bytes]) -> None:
+    def _write(self, puts: list[tuple[bytes, bytes | memoryview]], put_keys: list[bytes], deletes: list[bytes]) -> None:
         down = not self._available()
         try:
             if down:
@@ -370,13 +384,19 @@ def _layer_sides(pool: Any) -> list[torch.Tensor]:
     return [t for i in range(pool.num_layers) if (pair := pool.layer(i)) is not None for t in pair]
 
 
-def read_rows(pool: Any, block_ids: Sequence[int], binding: TierBinding) -> torch.Tensor:
-    """The K/V of pool blocks ``block_ids`` as entry rows ``[n, kv_bytes]`` (uint8, on the CPU): a copy."""
+def read_rows(pool: Any, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    """Copy the K/V of pool blocks ``block_ids`` into ``out`` (uint8 ``[n, kv_bytes]`` on the CPU, rows may be
+    strided): per layer and side one gather and one copy into place. Changes ``out``."""
+    n = len(block_ids)
     with torch.inference_mode(False):
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=pool.device)
-        parts = [t.index_select(1, idx).transpose(0, 1).reshape(len(block_ids), -1) for t in _layer_sides(pool)]
-        rows = torch.cat(parts, dim=1).cpu()
-    return rows.view(torch.uint8)
+        at = 0
+        for t in _layer_sides(pool):
+            heads, _, width = t.shape
+            size = heads * width * t.element_size()
+            dst = out[:, at : at + size].view(t.dtype).view(n, heads, width)
+            dst.copy_(t.index_select(1, idx).transpose(0, 1))
+            at += size
 
 
 def write_rows(pool: Any, rows: torch.Tensor, block_ids: Sequence[int], binding: TierBinding) -> None:

@@ -77,8 +77,8 @@ def plan(
         float,
         typer.Option(
             "--prefill-rate",
-            help=f"With --pool-capacity: tokens per second the model prefills (default {DEFAULT_PREFILL_RATE:,.0f}, "
-            "a placeholder until measured on the small model).",
+            help=f"With --pool-capacity: tokens per second the model prefills (default {DEFAULT_PREFILL_RATE:,.0f}: "
+            "the small preset's uncached TTFT on 2 CPU cores; give your own).",
         ),
     ] = DEFAULT_PREFILL_RATE,
     tier_read_rate: Annotated[
@@ -86,9 +86,10 @@ def plan(
         typer.Option(
             "--tier-read-rate",
             help="With --pool-capacity: how fast the tier is read, bytes/s (e.g. 2G; turned into tokens with the "
-            "model's KV size, --model, default small) or tokens/s (e.g. '40k tok'). Default 2G (a placeholder).",
+            "model's KV size, --model, default small) or tokens/s (e.g. '40k tok'). Default 680M: the disk tier "
+            "measured on 2 CPU cores.",
         ),
-    ] = "2G",
+    ] = "680M",
     json_out: opt.JsonOpt = None,
     html: opt.HtmlOpt = None,
     markdown: opt.MarkdownOpt = None,

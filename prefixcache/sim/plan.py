@@ -45,10 +45,10 @@ from prefixcache.workload.order import ordered
 from prefixcache.workload.trace import Trace
 
 FRACTIONS = (0.5, 0.7, 0.9)
-# PLACEHOLDERS until measured on this machine's `small` model (bench_ttft): prefill rate (tokens/s) and a tier's
-# read rate (bytes/s)
-DEFAULT_PREFILL_RATE = 1_000.0
-DEFAULT_TIER_READ_BYTES = 2e9
+# measured on the `small` preset (fp32) on 2 CPU cores (benchmarks/bench_tier.py, benchmarks/results/tier.json):
+# prompt tokens per second of uncached TTFT, and the disk tier's read rate (reading and checking entries), bytes/s
+DEFAULT_PREFILL_RATE = 240.0
+DEFAULT_TIER_READ_BYTES = 680e6
 
 
 def replay_rate(reqs: CacheRequests, capacity: int, policy: ReplayPolicy, weight: str) -> float:

@@ -393,7 +393,9 @@ def test_plan_tier_answer_by_hand(tmp_path):
     # TTFT at 1,000 prefill tokens/s and 100 tier tokens/s with the 6-block tier: 3 ms, 3 ms, 30 ms, 30 ms (mean
     # 16.5 ms, p50 16.5 ms, p90 30 ms); no cache 3 ms each.
     tr = load_trace(two_conversations(tmp_path), 1)
-    plan = make_plan(tr, pools=[3], tier_rates=TierRates(prefill_rate=1000.0, read_bytes=None, read_tokens=100.0), bound=False)
+    plan = make_plan(
+        tr, pools=[3], tier_rates=TierRates(prefill_rate=1000.0, read_bytes=None, read_tokens=100.0), bound=False
+    )
     tp = plan.tiers
     assert plan.unlimited_rate == 0.5
     assert tp.pool_only[0].rate == 0.0 and tp.pool_only[0].ttft_mean_s == pytest.approx(0.003)
@@ -404,7 +406,9 @@ def test_plan_tier_answer_by_hand(tmp_path):
     assert (p6.ttft_mean_s, p6.ttft_p50_s, p6.ttft_p90_s) == pytest.approx((0.0165, 0.0165, 0.03))
     assert tp.no_cache.ttft_mean_s == pytest.approx(0.003)
     # a pool of 6 needs no tier
-    plan = make_plan(tr, pools=[6], tier_rates=TierRates(prefill_rate=1000.0, read_bytes=None, read_tokens=100.0), bound=False)
+    plan = make_plan(
+        tr, pools=[6], tier_rates=TierRates(prefill_rate=1000.0, read_bytes=None, read_tokens=100.0), bound=False
+    )
     assert [a.point.tier_blocks for a in plan.tiers.answers] == [0, 0, 0]
 
 

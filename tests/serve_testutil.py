@@ -44,6 +44,20 @@ def server_thread(app: Any, timeout_s: float = 30.0) -> Iterator[str]:
         thread.join(timeout_s)
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, deadline: float) -> None:
+    """Return once ``url``/health answers 200; RuntimeError with ``log`` if ``proc`` exits or ``deadline`` (a
+    ``time.monotonic()`` value) passes first."""
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"prefixcache serve did not come up:\n{log.read_text()}")
+        time.sleep(0.1)
+
+
 @contextmanager
 def cli_server(args: list[str], log: Path, timeout_s: float = 180.0) -> Iterator[tuple[subprocess.Popen, str]]:
     """``prefixcache serve ARGS --port <free>`` as a subprocess (output to ``log``); yields (process, base URL)
@@ -55,16 +69,7 @@ def cli_server(args: list[str], log: Path, timeout_s: float = 180.0) -> Iterator
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"prefixcache serve did not come up:\n{log.read_text()}")
-                time.sleep(0.1)
+            wait_healthy(proc, url, log, time.monotonic() + timeout_s)
             yield proc, url
         finally:
             if proc.poll() is None:

@@ -27,6 +27,7 @@ from engine.tier import EntryError, KVTier, LmdbStore, TierWarning
 from engine.tier.entry import HEADER, decode, encode
 from engine.wrapper import PrefixCachedModel
 from prefixcache.core import block_keys
+from tests.serve_testutil import wait_healthy
 from tests.tier_testutil import free_port, redis_server
 
 BS = 16
@@ -427,15 +428,7 @@ def _servers(args: list[str], logs: list[Path], timeout_s: float = 180.0) -> Ite
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s
         for proc, url, log in zip(procs, urls, logs):
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"prefixcache serve did not come up:\n{log.read_text()}")
-                time.sleep(0.1)
+            wait_healthy(proc, url, log, deadline)
         yield urls
     finally:
         for proc in procs:

@@ -58,7 +58,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, list[list[int]], int]:
     pool_tokens = (args.prefix + args.rows * (args.suffix + args.new)) * 2
     pcm = PrefixCachedModel(model, max_cached_tokens=pool_tokens, block_size=16)
     pcm.generate(torch.tensor([prefix + [1]]), max_new_tokens=1, do_sample=False)  # the prefix is cached
-    return pcm, rows, bytes_per_token(pcm._specs, model.dtype)
+    return pcm, rows, bytes_per_token(pcm.runtime.specs, model.dtype)
 
 
 def child_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def child_engine(args: argparse.Namespace) -> dict[str, Any]:
     assert eng is not None
     rss0 = _status("VmRSS")
     _reset_peak()
-    reqs = [r for _, r in generate_requests(rows, [_params(args.new)] * len(rows), f"{pcm.fingerprint}:default", 1)]
+    reqs = [r for _, r in generate_requests(rows, [_params(args.new)] * len(rows), pcm.runtime.namespace("default"), 1)]
     with pcm.lock:
         for r in reqs:
             eng.submit(r)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import PrefixCachedModel  # noqa: E402
-from engine.batching.request import Finished, Request  # noqa: E402
+from engine.batching.request import Request, RequestResult  # noqa: E402
 from engine.batching.sampling import SamplingParams  # noqa: E402
 from engine.batching.scheduler import SchedulerConfig  # noqa: E402
 
@@ -58,7 +58,7 @@ class Client:
         self.history: list[dict] = []
         self.t0 = 0.0
         self.got_first = False
-        self.result: Finished | None = None
+        self.result: RequestResult | None = None
         self.ttft: list[float] = []
         self.cached: list[int] = []
         self.prompts: list[int] = []
@@ -68,7 +68,7 @@ class Client:
             self.ttft.append(time.monotonic() - self.t0)
             self.got_first = True
 
-    def finished(self, result: Finished) -> None:
+    def finished(self, result: RequestResult) -> None:
         self.result = result
 
     def submit_next(self) -> bool:
@@ -86,7 +86,7 @@ class Client:
         self.got_first, self.result, self.t0 = False, None, time.monotonic()
         sampling = SamplingParams(max_tokens=self.max_tokens)
         self.engine.submit(
-            Request(f"turn{len(self.prompts)}", ids, f"{self.pcm.fingerprint}:default", sampling, sink=self)
+            Request(f"turn{len(self.prompts)}", ids, self.pcm.runtime.namespace("default"), sampling, sink=self)
         )
         return True
 

@@ -203,7 +203,7 @@ def one_run(model, args, repeats: int, seed: int, timer: Timer, console: Console
     ttft_ideal = statistics.median(ideal)
 
     # gather cost of the prefix's blocks; the per-call weights check
-    with pcm.cache.lookup(torch.tensor(prefix + toks(args.suffix)), f"{pcm.fingerprint}:default") as m:
+    with pcm.cache.lookup(torch.tensor(prefix + toks(args.suffix)), pcm.runtime.namespace("default")) as m:
         assert m.cached_tokens == args.prefix
         gather_s = timer.median(lambda: pcm.pool.gather(m.block_ids), max(5, repeats))
     pcm.cache.check_integrity()

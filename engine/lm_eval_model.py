@@ -88,7 +88,7 @@ class PrefixCacheLM(HFLM):
         config = SchedulerConfig(**given) if given else None
         if max_cached_tokens is None and max_cached_bytes is None:
             max_cached_tokens = DEFAULT_MAX_CACHED_TOKENS
-        self._model: Any = PrefixCachedModel(
+        self._model: PrefixCachedModel = PrefixCachedModel(
             self._model,
             max_cached_tokens=max_cached_tokens,
             max_cached_bytes=max_cached_bytes,

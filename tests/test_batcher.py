@@ -9,8 +9,8 @@ import time
 
 from serve_testutil import bare_greedy
 
+from engine import ModelRuntime, RuntimeConfig, contiguous
 from engine.models import build_preset
-from engine.serve.backend import load_wrapped
 from engine.serve.batcher import Batcher
 from engine.serve.protocol import Finished, GenerateCall
 
@@ -30,11 +30,11 @@ async def _collect(batcher: Batcher, call: GenerateCall) -> list[int]:
 
 def test_calls_queued_during_a_batch_wait_for_the_returning_callers():
     model, tok = build_preset(MODEL)
-    pcm = load_wrapped(MODEL, max_cached_tokens=8_192, block_size=16)
+    runtime = ModelRuntime.load(MODEL, RuntimeConfig(max_cached_tokens=8_192, block_size=16))
     prompts = [list(tok(t).input_ids) for t in ("the blocker, a long one", "queued while it ran", "came back")]
 
     async def scenario() -> tuple[list[list[int]], list[int]]:
-        batcher = Batcher(pcm, max_batch_size=8, batch_wait_ms=WAIT_MS)
+        batcher = Batcher(runtime, max_batch_size=8, batch_wait_ms=WAIT_MS)
         await batcher.start()
         try:
             blocker = asyncio.create_task(_collect(batcher, GenerateCall("b", tuple(prompts[0]), "", BLOCKER)))
@@ -60,26 +60,26 @@ def test_calls_queued_during_a_batch_wait_for_the_returning_callers():
         assert out == bare_greedy(model, p, n)
 
 
-def test_mixed_limits_batch_cap_and_sampling_groups():
+def test_mixed_limits_batch_cap_and_sampling_groups(monkeypatch):
     """Calls queued together: at most ``max_batch_size`` per batch, oldest first; in a mixed batch each row gets
     exactly its own max_tokens of the bare model's greedy tokens (never one more); calls whose top_p differ never
     share a batch, and each batch samples with its own calls' settings."""
     model, tok = build_preset(MODEL)
-    pcm = load_wrapped(MODEL, max_cached_tokens=8_192, block_size=16)
+    runtime = ModelRuntime.load(MODEL, RuntimeConfig(max_cached_tokens=8_192, block_size=16))
     seen: list[dict] = []
-    generate = pcm.generate
+    generate = contiguous.generate
 
-    def recording(*args, **kwargs):
+    def recording(rt, input_ids, attention_mask, gc, names, kwargs):
         seen.append({k: kwargs.get(k) for k in ("max_new_tokens", "top_p", "temperature", "do_sample")})
-        seen[-1]["rows"] = args[0].shape[0]
-        return generate(*args, **kwargs)
+        seen[-1]["rows"] = input_ids.shape[0]
+        return generate(rt, input_ids, attention_mask, gc, names, kwargs)
 
-    pcm.generate = recording
+    monkeypatch.setattr(contiguous, "generate", recording)
     prompts = [list(tok(t).input_ids) for t in ("mixed limits one", "two, a longer prompt", "three")]
     limits = [2, 7, 3]
 
     async def scenario() -> tuple[list[list[int]], list[int], int]:
-        batcher = Batcher(pcm, max_batch_size=2, batch_wait_ms=50)
+        batcher = Batcher(runtime, max_batch_size=2, batch_wait_ms=50)
         await batcher.start()
         try:
             greedy = [GenerateCall(f"g{i}", tuple(p), "", n) for i, (p, n) in enumerate(zip(prompts, limits))]

@@ -17,7 +17,7 @@ from engine_testutil import ARCHS, VOCAB, expected_cached, rand_tokens, tiny_mod
 
 from engine import PrefixCachedModel, hf_cache
 from engine.batching.engine import Engine
-from engine.batching.request import Finished, Request
+from engine.batching.request import Request, RequestResult
 from engine.batching.sampling import SamplingParams
 from engine.batching.scheduler import SchedulerConfig
 from engine.kv_pool import KVPool
@@ -54,7 +54,7 @@ def bare_logprobs(arch: str, tokens: list[int], score_from: int) -> tuple[list[f
 class Sink:
     def __init__(self) -> None:
         self.streamed: list[int] = []
-        self.result: Finished | None = None
+        self.result: RequestResult | None = None
         self.calls_after_finish = 0
 
     def tokens(self, ids: list[int]) -> None:
@@ -62,7 +62,7 @@ class Sink:
             self.calls_after_finish += 1
         self.streamed.extend(ids)
 
-    def finished(self, result: Finished) -> None:
+    def finished(self, result: RequestResult) -> None:
         if self.result is not None:
             self.calls_after_finish += 1
         self.result = result
@@ -498,7 +498,7 @@ def test_stop_token_ids_and_eos():
 
 
 # ---- (e) scoring ----------------------------------------------------------------------------------------------
-def check_scores(arch: str, tokens: list[int], score_from: int, res: Finished) -> None:
+def check_scores(arch: str, tokens: list[int], score_from: int, res: RequestResult) -> None:
     want_lp, want_greedy = bare_logprobs(arch, tokens, score_from)
     assert res.finish_reason == "stop" and res.error is None
     assert len(res.logprobs) == len(want_lp) == len(tokens) - score_from

@@ -11,7 +11,7 @@ import torch
 import transformers as T
 from engine_testutil import BS, compare, left_pad, rand_tokens, tiny_model
 
-from engine import PrefixCachedModel, StaleCacheWarning, UnverifiedCacheWarning
+from engine import PrefixCachedModel, StaleCacheWarning, UnverifiedCacheWarning, hf_cache
 
 
 def _consistent(pcm) -> None:
@@ -288,7 +288,7 @@ def test_a_hit_prefills_exactly_the_uncached_suffix():
     a, b = rand_tokens(g, 26), rand_tokens(g, 17)
     pcm.generate(torch.tensor([a]), max_new_tokens=2)
     pcm.generate(torch.tensor([b]), max_new_tokens=2)
-    log = ForwardLog(model, pcm._cache_kwarg)
+    log = ForwardLog(model, hf_cache.cache_kwarg(model))
     try:
         # single rows: a hit, a hit ending on a block boundary, a miss; max_new_tokens=1 -> one forward
         for prompt in (a[:21] + rand_tokens(g, 5), a[:16] + [7], rand_tokens(g, 10)):

@@ -1,8 +1,12 @@
 """``prefixcache serve`` in one process: a real uvicorn server on 127.0.0.1, driven by the ``openai`` client.
 
 Greedy outputs equal the bare model's; ``cached_tokens`` equals an independent record of what was cached;
-streams carry the same text; salts isolate; concurrent requests form one batch with unchanged outputs; bad
+streams carry the same text; salts isolate; concurrent requests join the running ones with unchanged outputs; bad
 input gets an OpenAI error object and leaves no pin; SIGTERM lets an in-flight request finish, then exit 0.
+
+One table of cases runs through both workers a server may run (``srv`` is parametrized): the engine loop, and the
+batcher of batched contiguous ``generate`` calls that serves models the engine cannot run (and ``--no-engine``).
+What only the engine does runs on the engine and is refused with a 400 by the batcher (``ENGINE_ONLY``).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import pytest
 import torch
 from serve_testutil import Committed, bare_greedy, cli_server, server_thread
 
+from engine import ModelRuntime, PrefixCachedModel, RuntimeConfig
 from engine.models import build_preset
 from engine.serve.app import create_app
-from engine.serve.backend import LocalBackend, load_wrapped
+from engine.serve.backend import LocalBackend
 
 BS = 16
 MODEL = "tiny"
@@ -34,13 +39,22 @@ def bare():
     return model, tokenizer
 
 
-@pytest.fixture(scope="module")
-def srv():
-    pcm = load_wrapped(MODEL, max_cached_tokens=32_768, block_size=BS)
-    backend = LocalBackend(pcm, MODEL, max_batch_size=8, batch_wait_ms=5)
+WORKERS = ["engine", "batcher"]
+
+
+@pytest.fixture(scope="module", params=WORKERS)
+def srv(request):
+    runtime = ModelRuntime.load(MODEL, RuntimeConfig(max_cached_tokens=32_768, block_size=BS))
+    pcm = PrefixCachedModel.over(runtime)
+    use_engine = request.param == "engine"
+    backend = LocalBackend(runtime, MODEL, max_batch_size=8, batch_wait_ms=5, use_engine=use_engine)
+    assert backend.runs_engine() == use_engine
     with server_thread(create_app(backend, default_max_tokens=12)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         yield url, client, pcm, backend
+
+
+engine_only = pytest.mark.parametrize("srv", ["engine"], indirect=True)
 
 
 def _idle(backend, pcm) -> None:
@@ -175,6 +189,7 @@ def test_cache_salt_isolates_tenants(srv, bare):
     _idle(backend, pcm)
 
 
+@engine_only
 def test_requests_at_the_context_boundary(srv):
     """A prompt plus max_tokens exactly filling the context (2,048) runs to its length, the last valid token id is
     served, and max_completion_tokens wins over max_tokens, on the real engine (ignore_eos: every row runs to its
@@ -241,55 +256,56 @@ def _concurrent_rows(client, backend, pcm, tok):
 
 
 def test_concurrent_requests_join_the_running_one_with_unchanged_outputs(srv, bare):
+    """Four requests of two tenants arrive while a long one runs. The engine: they join its steps and leave first.
+    The batcher: they wait for it, then run as one batch. Either way each reply is the bare model's."""
     url, client, pcm, backend = srv
     model, tok = bare
-    assert backend.runs_engine()
     before = backend.worker.stats()
     prompts, results, expected_cached, blocker_running = _concurrent_rows(client, backend, pcm, tok)
     after = backend.worker.stats()
-    assert blocker_running  # the four did not wait for the long request: they joined its steps and left first
-    assert after["most_requests"] >= 5
-    assert after["requests_finished"] - before["requests_finished"] == 6  # the warm-up, the blocker, the four
     got = [r.usage.prompt_tokens_details.cached_tokens for r in results]
     for p, r in zip(prompts, results):
         assert r.choices[0].text == tok.decode(bare_greedy(model, list(tok(p).input_ids), 8), skip_special_tokens=True)
-    # tenant a (rows 0, 2) had the warm-up's prefix cached; tenant b (rows 1, 3) had nothing, so the first of its
-    # two rows computed their common prefix and the other, admitted after it, found it cached
+    # tenant a (rows 0, 2) had the warm-up's prefix cached
     assert got[0] == expected_cached[0] > 0 and got[2] == expected_cached[2] > 0
-    ids1, ids3 = (list(tok(prompts[i]).input_ids) for i in (1, 3))
-    common = next(i for i, (a, b) in enumerate(zip(ids1, ids3)) if a != b)
     assert expected_cached[1] == expected_cached[3] == 0
-    assert sorted([got[1], got[3]]) == [0, common // BS * BS]
     metrics = httpx.get(f"{url}/metrics").text
-    assert 'prefixcache_engine_most_step_requests{replica="local"} ' in metrics
-    _idle(backend, pcm)
-
-
-def test_without_the_engine_concurrent_requests_form_one_batch_with_unchanged_outputs(bare):
-    model, tok = bare
-    pcm = load_wrapped(MODEL, max_cached_tokens=32_768, block_size=BS)
-    backend = LocalBackend(pcm, MODEL, max_batch_size=8, batch_wait_ms=5, use_engine=False)
-    with server_thread(create_app(backend, default_max_tokens=12)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        assert not backend.runs_engine()
-        before = backend.worker.stats()
-        prompts, results, expected_cached, _ = _concurrent_rows(client, backend, pcm, tok)
-        after = backend.worker.stats()
+    if backend.runs_engine():
+        assert blocker_running  # the four did not wait for the long request: they joined its steps and left first
+        assert after["most_requests"] >= 5
+        assert after["requests_finished"] - before["requests_finished"] == 6  # the warm-up, the blocker, the four
+        # tenant b had nothing: the first of its two rows computed their common prefix, the other found it cached
+        ids1, ids3 = (list(tok(prompts[i]).input_ids) for i in (1, 3))
+        common = next(i for i, (a, b) in enumerate(zip(ids1, ids3)) if a != b)
+        assert sorted([got[1], got[3]]) == [0, common // BS * BS]
+        assert 'prefixcache_engine_most_step_requests{replica="local"} ' in metrics
+    else:
         assert after["batch_rows"] - before["batch_rows"] == 6
         assert after["batches"] - before["batches"] == 3  # the warm-up, the blocker, then the four together
         assert after["max_batch_size"] >= 4
-        for p, r, want_cached in zip(prompts, results, expected_cached):
-            ref = bare_greedy(model, list(tok(p).input_ids), 8)
-            assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
-            assert r.usage.prompt_tokens_details.cached_tokens == want_cached
-        metrics = httpx.get(f"{url}/metrics").text
+        assert got == expected_cached  # one batch: each row its own cached prefix, none from its neighbours
         assert 'prefixcache_max_batch_size{replica="local"} ' in metrics
-        # what only the engine does is refused, not ignored
-        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a", "seed": 3}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
-        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a", "stop": "x"}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
-        _idle(backend, pcm)
+    _idle(backend, pcm)
+
+
+ENGINE_ONLY = {  # request fields only the engine implements: the batcher refuses them rather than ignore them
+    "seed": {"seed": 3},
+    "top_k": {"top_k": 5},
+    "stop": {"stop": "x"},
+    "stop_token_ids": {"stop_token_ids": [3]},
+    "ignore_eos": {"ignore_eos": True},
+    "logprobs": {"logprobs": 1},
+    "echo": {"echo": True},
+}
+
+
+@pytest.mark.parametrize("srv", ["batcher"], indirect=True)
+@pytest.mark.parametrize("field", list(ENGINE_ONLY))
+def test_the_batcher_refuses_what_only_the_engine_does(srv, field):
+    url, client, pcm, backend = srv
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a", **ENGINE_ONLY[field]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    _idle(backend, pcm)
 
 
 def _stop_case(model, tok) -> tuple[list[int], str, str, str, int]:
@@ -309,6 +325,7 @@ def _stop_case(model, tok) -> tuple[list[int], str, str, str, int]:
     raise AssertionError("no two usable stop strings in 16 greedy replies")
 
 
+@engine_only
 def test_stop_strings_end_the_reply_before_them(srv, bare):
     """OpenAI's ``stop``: the reply is the bare model's greedy text up to (not including) the first stop string,
     finish_reason "stop", completion_tokens counting what was generated until the string appeared; the same in a
@@ -341,6 +358,7 @@ def _bare_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
+@engine_only
 def test_echo_logprobs_are_the_bare_models_and_served_from_cache(srv, bare):
     url, client, pcm, backend = srv
     model, tok = bare
@@ -377,6 +395,7 @@ def test_echo_logprobs_are_the_bare_models_and_served_from_cache(srv, bare):
     _idle(backend, pcm)
 
 
+@engine_only
 def test_chat_logprobs_seed_and_stop_token_ids(srv, bare):
     url, client, pcm, backend = srv
     model, tok = bare

@@ -198,7 +198,7 @@ def test_a_corrupt_truncated_or_foreign_entry_is_dropped_and_recomputed(tiny, tm
     pcm = _wrap(tiny, tmp_path)
     _cycle(pcm, tiny, prompts, rounds=1)
     tier = pcm.tier
-    keys = block_keys(prompts[0][0].numpy(), f"{pcm.fingerprint}:default", block_size=BS)
+    keys = block_keys(prompts[0][0].numpy(), pcm.runtime.namespace("default"), block_size=BS)
     victim = keys[2]  # the third block of the first prompt: blocks 0-1 still come from disk
     raw = bytearray(_entries(tier)[victim])
     if damage == "flip":
@@ -207,7 +207,7 @@ def test_a_corrupt_truncated_or_foreign_entry_is_dropped_and_recomputed(tiny, tm
         raw = raw[: len(raw) // 2]
     else:  # another prompt's entry stored under this key
         raw = bytearray(
-            _entries(tier)[block_keys(prompts[1][0].numpy(), f"{pcm.fingerprint}:default", block_size=BS)[2]]
+            _entries(tier)[block_keys(prompts[1][0].numpy(), pcm.runtime.namespace("default"), block_size=BS)[2]]
         )
     _put_raw(tmp_path, tier, victim, bytes(raw))
     with pytest.warns(TierWarning, match=f"disk cache {tmp_path}.*dropped the entry of block {victim.hex()}"):
@@ -289,7 +289,7 @@ def test_the_tier_budget_evicts_least_recently_used_blocks_from_the_store(tiny, 
     assert len(tier.index) == 10 and len(_entries(tier)) == 10
     assert tier.index.stats.evicted_blocks == tier.index.stats.stored_blocks - 10
     # the most recent prompt's blocks are the ones kept
-    last = block_keys(prompts[2][0].numpy(), f"{pcm.fingerprint}:default", block_size=BS)
+    last = block_keys(prompts[2][0].numpy(), pcm.runtime.namespace("default"), block_size=BS)
     assert set(last) <= set(_entries(tier))
     pcm.close()
 

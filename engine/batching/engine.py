@@ -12,13 +12,15 @@ while it runs) followed by blocks of its own. After every step its newly complet
 tree by id (``PrefixCache.commit_blocks``: no copy), so a request arriving next step finds them cached; a block
 the tree already had is swapped for the tree's copy. Only a request's last, partly filled block stays private.
 
-The engine is single-threaded: ``step()`` runs one step on the caller's thread, ``run_until_done()`` loops; a
-serving thread calls ``step()`` in a loop and other threads only ``submit()`` and ``Request.cancel()``.
-The caller serialises the engine with anything else that uses the same cache and pool (the wrapper's lock).
+The engine is single-threaded: ``step()`` runs one step on the caller's thread; a serving thread (or an offline
+batch, ``engine.batching.offline.run``) calls ``step()`` in a loop, and other threads only ``submit()`` and
+``Request.cancel()``. The caller serialises the engine with anything else that uses the same cache and pool (the
+runtime's lock). A fault fails only the requests it concerns (see ``step``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -28,14 +30,16 @@ from typing import Any
 import torch
 
 from engine.batching.logprob_store import TOP, PromptLogprobStore
-from engine.batching.request import Finished, Request, Status
+from engine.batching.request import Request, RequestResult, Status
 from engine.batching.sampling import sample
 from engine.batching.scheduler import Plan, Scheduler, SchedulerConfig
 from engine.kv_pool import KVPool
 from engine.paged.attention import Row
 from engine.paged.runner import PagedRunner
-from engine.tier.kv_tier import KVTier, block_tokens, extend_keys, write_rows
-from prefixcache.core.cache import OutOfBlocks, PrefixCache
+from engine.tier.kv_tier import KVTier
+from prefixcache.core.cache import PrefixCache
+
+log = logging.getLogger("prefixcache.engine")
 
 
 @dataclass
@@ -56,6 +60,7 @@ class EngineStats:
     forward_s: float = 0.0  # the model's forward (building the batch included)
     attention_s: float = 0.0  # of which: attention over the pool
     finish_s: float = 0.0  # after the forward: scoring, sampling, streaming, caching blocks, finishing
+    faults: int = 0  # requests failed by an exception in their part of a step (not counting the forward's)
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
@@ -126,8 +131,13 @@ class Engine:
 
     # ---- the step ----------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one step (False when there was nothing to run). Exceptions inside the forward fail the step's
-        requests (they hear the error) and leave the cache consistent; the engine goes on."""
+        """Run one step (False when there was nothing to run).
+
+        Faults stay with the requests they concern: an exception while admitting or allocating for a request,
+        scoring, sampling or streaming its token, caching its blocks or finishing it fails that request (its sink
+        hears the error; its blocks are released); one inside the forward fails the step's requests. The cache
+        stays consistent (``check_integrity``) and the engine goes on. The tier never fails a request (its faults
+        are counted and warned about)."""
         started = time.perf_counter()
         with self._incoming_lock:
             while self._incoming:
@@ -135,7 +145,11 @@ class Engine:
         self._drop_cancelled()
         plan = self.scheduler.schedule()
         for req, why in plan.failed:
-            self._finish(req, "cancelled" if why == "cancelled" else "error", None if why == "cancelled" else why)
+            if why == "cancelled":
+                self._finish(req, "cancelled")
+            else:
+                self.stats.faults += isinstance(why, Exception)
+                self._finish(req, "error", why)
         s = self.stats
         planned = time.perf_counter()
         s.schedule_s += planned - started
@@ -163,13 +177,6 @@ class Engine:
         s.most_requests = max(s.most_requests, len(plan.work))
         s.busy_s += time.perf_counter() - started
         return True
-
-    def run_until_done(self, *, progress: Any = None) -> None:
-        """Step until every submitted request has finished; ``progress(finished_count)`` after each step."""
-        while self.has_work():
-            self.step()
-            if progress is not None:
-                progress(self.stats.finished)
 
     def _forward(self, plan: Plan) -> tuple[torch.Tensor, list[tuple[int, int, int]], float]:
         """One forward of the plan; returns the logits asked for, per work item (first scored row, scored rows,
@@ -205,7 +212,8 @@ class Engine:
         return logits.float(), spans, batch.attention_s
 
     def _advance(self, plan: Plan, logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
-        """After the forward: move each request on, score, sample, stream, cache new full blocks, finish."""
+        """After the forward: move each request on, score, sample, stream, cache new full blocks, finish. A request
+        whose part of this raises fails alone (``_fail``)."""
         s = self.stats
         samplers: list[tuple[Request, int]] = []
         for (req, n), (first, scored, sample_row) in zip(plan.work, spans):
@@ -214,35 +222,83 @@ class Engine:
             else:
                 s.decode_tokens += n
             req.computed += n
-            if scored:
-                self._score(req, logits[first : first + scored])
+            try:
+                if scored:
+                    self._score(req, logits[first : first + scored])
+            except Exception as exc:
+                self._fail(req, exc)
+                continue
             if sample_row >= 0:
                 samplers.append((req, sample_row))
         if samplers:
-            rows = logits[[r for _, r in samplers]]
-            params = [r.params for r, _ in samplers if r.params is not None]
-            picked = sample(rows, params, [r.generator for r, _ in samplers])
-            want_lp = [i for i, (r, _) in enumerate(samplers) if r.sample_logprobs is not None]
-            if want_lp:
-                logp = torch.log_softmax(rows[want_lp], dim=-1)
-                for j, i in enumerate(want_lp):
-                    req = samplers[i][0]
-                    k = min(int(req.sample_logprobs or 0), logp.shape[1])
-                    vals, top = torch.topk(logp[j], k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
-                    req.sampled_lp.append((float(logp[j, picked[i]]), dict(zip(top.tolist(), vals.tolist()))))
             now = time.monotonic()
-            for (req, _), tok in zip(samplers, picked):
-                req.tokens.append(tok)
-                req.output.append(tok)
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                if req.sink is not None:
-                    req.sink.tokens([tok])
+            for (req, _), tok in zip(samplers, self._sample(samplers, logits)):
+                if tok is None:
+                    continue
+                try:
+                    req.tokens.append(tok)
+                    req.output.append(tok)
+                    if req.first_token_at is None:
+                        req.first_token_at = now
+                    if req.sink is not None:
+                        req.sink.tokens([tok])
+                except Exception as exc:
+                    self._fail(req, exc)
         for req, _ in plan.work:
-            self._cache_blocks(req)
-            reason = self._done(req)
+            if req.status is Status.FINISHED:
+                continue
+            try:
+                self._cache_blocks(req)
+                reason = self._done(req)
+            except Exception as exc:
+                self._fail(req, exc)
+                continue
             if reason is not None:
                 self._finish(req, reason)
+
+    def _sample(self, samplers: list[tuple[Request, int]], logits: torch.Tensor) -> list[int | None]:
+        """The next token of each request of ``samplers`` (request, logits row), with its log-probs when it asks
+        for them. All rows at once; when that raises, row by row from the same generator states, so only the
+        requests whose own sampling raises fail (None for them) and the others draw what they would have."""
+        reqs = [req for req, _ in samplers]
+        rows = logits[[r for _, r in samplers]]
+        params = [r.params for r in reqs if r.params is not None]
+        gens = [r.generator for r in reqs]
+        states = [None if g is None else g.get_state() for g in gens]
+        picked: list[int | None]
+        try:
+            picked = list(sample(rows, params, gens))
+        except Exception:
+            picked = []
+            for i, req in enumerate(reqs):
+                g, state = gens[i], states[i]
+                try:
+                    if g is not None and state is not None:
+                        g.set_state(state)
+                    picked.append(sample(rows[i : i + 1], params[i : i + 1], [g])[0])
+                except Exception as exc:
+                    self._fail(req, exc)
+                    picked.append(None)
+        for i, req in enumerate(reqs):
+            tok = picked[i]
+            if tok is None or req.sample_logprobs is None:
+                continue
+            try:
+                logp = torch.log_softmax(rows[i].float(), dim=-1)
+                k = min(int(req.sample_logprobs), logp.shape[0])
+                vals, top = torch.topk(logp, k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+                req.sampled_lp.append((float(logp[tok]), dict(zip(top.tolist(), vals.tolist()))))
+            except Exception as exc:
+                self._fail(req, exc)
+                picked[i] = None
+        return picked
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        """``req`` fails with ``error`` (a fault in its part of the step): it finishes as an error, its blocks
+        released; the step goes on for the others."""
+        self.stats.faults += 1
+        log.warning("prefixcache engine: request %s failed: %r", req.id, error)
+        self._finish(req, "error", error)
 
     def _score(self, req: Request, logits: torch.Tensor) -> None:
         """Record the log-probabilities of the tokens these logits predict (the next ones to score)."""
@@ -311,41 +367,30 @@ class Engine:
         req.table[: len(res.table)] = res.table
         req.committed = len(res.table)
         if self.tier is not None:  # the path the pool holds (its new blocks written, the rest refreshed)
-            stop = len(res.table)
-            start = stop - res.adopted
-            extend_keys(req.tier_keys, req.tokens, req.namespace, bs, self.cache.config.hash_seed, stop)
-            self.tier.save(
-                self.pool, req.tier_keys[:stop], start, block_tokens(req.tokens, bs, start, stop), res.table[start:stop]
-            )
+            start = len(res.table) - res.adopted
+            self.tier.save_path(self.pool, req.tokens, req.namespace, req.tier_keys, start, res.table[start:])
 
     def _from_tier(self, req: Request) -> None:
-        """Load the blocks after ``req``'s match that the tier holds into own blocks and commit them (the protocol
-        of ``prefixcache.core.tier``); ``req.tier_tokens`` says how many tokens that served."""
-        tier, bs = self.tier, self.cache.block_size
-        assert tier is not None and req.handle is not None
-        p, limit = req.computed // bs, (req.cache_limit - 1) // bs
-        extend_keys(req.tier_keys, req.tokens, req.namespace, bs, self.cache.config.hash_seed, limit)
-        t = tier.lookup(req.tier_keys, p, limit)
-        if t == 0:
-            return
-        rows = tier.fetch(req.tier_keys[p : p + t], block_tokens(req.tokens, bs, p, p + t))
-        if len(rows) == 0:
-            return
-        try:
-            ids = self.cache.allocate(req.handle, len(rows))
-        except OutOfBlocks:
-            return
-        write_rows(self.pool, rows, ids, tier.binding)
-        req.table.extend(ids)
-        res = self.cache.commit_blocks(req.handle, req.tokens[: (p + len(ids)) * bs], req.table)
-        req.table[: len(res.table)] = res.table
-        req.committed = len(res.table)
-        req.computed = req.committed * bs
-        req.tier_tokens = req.computed - p * bs
+        """Load the blocks after ``req``'s match that the tier holds into the pool (``KVTier.load_after_match``);
+        ``req.tier_tokens`` says how many tokens that served."""
+        assert self.tier is not None and req.handle is not None
+        limit = (req.cache_limit - 1) // self.cache.block_size
+        ids = self.tier.load_after_match(
+            self.cache, self.pool, req.handle, req.tokens, req.tier_keys, req.table[: req.committed], limit
+        )
+        if ids:
+            req.table.extend(ids)
+            req.committed = len(req.table)
+            req.computed = req.committed * self.cache.block_size
+            req.tier_tokens = len(ids) * self.cache.block_size
 
     def _preempt(self, req: Request) -> None:
-        """The scheduler's preemption: cache the computed full blocks, release, back to waiting."""
-        self._cache_blocks(req)
+        """The scheduler's preemption: cache the computed full blocks (if that fails, they are recomputed on
+        resume), release, back to waiting."""
+        try:
+            self._cache_blocks(req)
+        except Exception as exc:
+            log.warning("prefixcache engine: caching preempted request %s's blocks failed: %r", req.id, exc)
         if req.handle is not None and not req.handle.released:
             self.cache.release(req.handle)
         req.handle, req.table, req.computed, req.committed = None, [], 0, 0
@@ -356,39 +401,46 @@ class Engine:
         req.preemptions += 1
 
     def _finish(self, req: Request, reason: str, error: Any = None) -> None:
-        """End ``req``: cache its blocks (unless it failed), release it, tell its sink."""
+        """End ``req``: cache its blocks (unless it failed; if caching fails, it fails), release it, tell its sink
+        (whose own faults are logged, never raised)."""
         if req.status is Status.FINISHED:
             return
         try:
             if req.use_logprob_store and reason != "error" and len(req.logprobs) >= req.score_end - req.score_from:
                 self.logprob_store.put(req.prompt, req.namespace, [0.0, *req.logprobs], [{}, *req.top])
-            if req.handle is not None and not req.handle.released:
-                if reason != "error":
-                    self._cache_blocks(req)
-                self.cache.release(req.handle)
+            if req.handle is not None and not req.handle.released and reason != "error":
+                self._cache_blocks(req)
+        except Exception as exc:
+            self.stats.faults += 1
+            reason, error = "error", exc
         finally:
+            if req.handle is not None and not req.handle.released:
+                self.cache.release(req.handle)
             req.handle = None
             req.status = Status.FINISHED
             self.scheduler.finish(req)
             self.stats.finished += 1
-            if isinstance(error, str):
-                error = RuntimeError(error)
-            k = req.top_logprobs
-            top = tuple(dict(sorted(t.items(), key=lambda kv: -kv[1])[:k]) for t in req.top) if k else ()
-            result = Finished(
-                reason,
-                len(req.prompt),
-                max(req.cached_tokens, 0),
-                len(req.output),
-                tuple(req.output),
-                tuple(req.logprobs),
-                tuple(req.greedy),
-                top,
-                error,
-                tuple(req.sampled_lp),
-            )
-            if req.sink is not None:
+        if isinstance(error, str):
+            error = RuntimeError(error)
+        k = req.top_logprobs
+        top = tuple(dict(sorted(t.items(), key=lambda kv: -kv[1])[:k]) for t in req.top) if k else ()
+        result = RequestResult(
+            reason,
+            len(req.prompt),
+            max(req.cached_tokens, 0),
+            len(req.output),
+            tuple(req.output),
+            tuple(req.logprobs),
+            tuple(req.greedy),
+            top,
+            error,
+            tuple(req.sampled_lp),
+        )
+        if req.sink is not None:
+            try:
                 req.sink.finished(result)
+            except Exception as exc:
+                log.warning("prefixcache engine: request %s's sink failed on its result: %r", req.id, exc)
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.scheduler.running if r.cancelled]:

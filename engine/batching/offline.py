@@ -14,6 +14,7 @@ tokens is cut from the left, as lm-evaluation-harness does (``(context + continu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.batching.engine import Engine
-from engine.batching.request import Finished, Request
+from engine.batching.request import Request, RequestResult
 from engine.batching.sampling import SamplingParams
 
 # generation settings the engine does not implement: generate_batch refuses them rather than ignore them
@@ -77,14 +78,14 @@ class ScoreResult:
 
 
 class _Collect:
-    """A sink that keeps the Finished."""
+    """A sink that keeps the request's result."""
 
-    result: Finished | None = None
+    result: RequestResult | None = None
 
     def tokens(self, ids: list[int]) -> None:
         pass
 
-    def finished(self, result: Finished) -> None:
+    def finished(self, result: RequestResult) -> None:
         self.result = result
 
 
@@ -139,6 +140,52 @@ def lexicographic(seqs: Sequence[list[int]]) -> list[int]:
     return sorted(range(len(seqs)), key=lambda i: seqs[i])
 
 
+def generate_batch(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    namespace: str,
+    copies: int,
+    *,
+    seed: int | None = None,
+    progress_bar: bool = False,
+) -> dict[str, BatchOutput]:
+    """Run ``copies`` requests per prompt (``params[i]`` for prompt i; ``seed``: request k's sampler seeded with
+    ``seed + k``) on ``engine`` in token-sequence order; their outputs by request id (``req_i`` / ``req_i_j``), in
+    input order. The caller holds the runtime's lock. Changes the cache."""
+    reqs = generate_requests(prompts, params, namespace, copies)
+    if seed is not None:
+        for k, (_, r) in enumerate(reqs):
+            assert r.params is not None
+            r.params = dataclasses.replace(r.params, seed=seed + k)
+    order = lexicographic([r.tokens for _, r in reqs])
+    with progress_bar_of(len(reqs), "generate_batch", progress_bar) as progress:
+        run(engine, [reqs[i][1] for i in order], window=window(engine), progress=progress)
+    return collect_outputs(reqs)
+
+
+def score(
+    engine: Engine,
+    reqs: list[Request],
+    cut: list[int],
+    per_token: bool,
+    *,
+    reorder: bool = True,
+    progress_bar: bool = False,
+) -> list[ScoreResult]:
+    """Run the scoring requests ``reqs`` (``score_requests``) on ``engine``, in token-sequence order when
+    ``reorder``; their results in the caller's order. The caller holds the runtime's lock. Changes the cache."""
+    order = lexicographic([r.tokens for r in reqs]) if reorder else list(range(len(reqs)))
+    with progress_bar_of(len(reqs), "score", progress_bar) as progress:
+        run(engine, [reqs[i] for i in order], window=window(engine), progress=progress)
+    return score_results(reqs, cut, per_token)
+
+
+def window(engine: Engine) -> int:
+    """Requests kept waiting in the engine by a batch call: enough to fill every step."""
+    return max(2 * engine.config.max_running, 8)
+
+
 def run(engine: Engine, requests: list[Request], *, window: int, progress: Callable[[int], None] | None) -> None:
     """Submit ``requests`` in order, at most ``window`` waiting at a time, and step until all finished."""
     todo = iter(requests)
@@ -156,7 +203,7 @@ def run(engine: Engine, requests: list[Request], *, window: int, progress: Calla
 
 
 @contextmanager
-def progress_bar(total: int, what: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+def progress_bar_of(total: int, what: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
     """A rich progress bar over ``total`` requests (None when not ``enabled``)."""
     if not enabled:
         yield None

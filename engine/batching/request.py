@@ -30,7 +30,7 @@ class Status(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Finished:
+class RequestResult:
     """The end of a request: why (``stop``, ``length``, ``cancelled``, ``error``), its token counts, the
     log-probabilities of its scored tokens (``logprobs[i]``: of token ``score_from + i`` given the tokens before
     it; ``greedy[i]``: whether it was the argmax; ``top[i]``: the ``top_logprobs`` most likely tokens there) and,
@@ -53,14 +53,14 @@ class Sink(Protocol):
 
     def tokens(self, ids: list[int]) -> None: ...
 
-    def finished(self, result: Finished) -> None: ...
+    def finished(self, result: RequestResult) -> None: ...
 
 
 @dataclass(eq=False)
 class Request:
     id: str
     prompt: list[int]
-    namespace: str  # the cache namespace (the wrapper's fingerprint joined with the caller's)
+    namespace: str  # the cache namespace (``ModelRuntime.namespace``: the model's fingerprint joined with the caller's)
     params: SamplingParams | None  # None: score only, generate nothing
     sink: Sink | None = None
     score_from: int = 0  # first prompt position whose log-probability is wanted (>= 1); 0: none

@@ -47,11 +47,12 @@ class SchedulerConfig:
 
 @dataclass
 class Plan:
-    """One step: ``work`` (request, tokens to compute) in batch order; requests preempted and failed meanwhile."""
+    """One step: ``work`` (request, tokens to compute) in batch order; requests preempted and failed meanwhile
+    (with why: "cancelled", a message, or the exception raised while planning for that request)."""
 
     work: list[tuple[Request, int]]
     preempted: list[Request]
-    failed: list[tuple[Request, str]]
+    failed: list[tuple[Request, str | Exception]]
 
 
 class Scheduler:
@@ -93,7 +94,11 @@ class Scheduler:
             n = 1 if req.remaining == 1 else min(req.remaining, cfg.max_chunk_tokens, budget)
             if n <= 0 or budget <= 0:
                 continue
-            if not self._blocks_for(req, n, plan):
+            try:
+                if not self._blocks_for(req, n, plan):
+                    continue
+            except Exception as exc:  # this request's fault alone: it fails, the others are planned
+                self._drop(req, plan, exc)
                 continue
             plan.work.append((req, n))
             budget -= n
@@ -165,7 +170,11 @@ class Scheduler:
             if cfg.share_wait and self._shares_uncached(req):
                 skipped.append(req)
                 continue
-            n = self._start(req, plan, budget)
+            try:
+                n = self._start(req, plan, budget)
+            except Exception as exc:  # e.g. its tier load or log-prob lookup: it fails, admission goes on
+                self._drop(req, plan, exc)
+                continue
             if n == 0:
                 self.waiting.appendleft(req)
                 break
@@ -194,6 +203,13 @@ class Scheduler:
         self.running.append(req)
         plan.work.append((req, n))
         return n
+
+    def _drop(self, req: Request, plan: Plan, error: Exception) -> None:
+        """Take ``req`` out of this step and the queues: it failed with ``error`` (the engine finishes it)."""
+        if req in self.running:
+            self.running.remove(req)
+        plan.work = [(r, n) for r, n in plan.work if r is not req]
+        plan.failed.append((req, error))
 
     def _too_big_prompt(self, req: Request) -> str:
         need = -(-(len(req.tokens)) // self.block_size)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.runtime import RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -13,7 +17,7 @@ class ServeConfig:
     """What ``prefixcache serve`` was asked for (one process or replicas)."""
 
     model: str = "tiny"
-    max_cached_tokens: int | None = None  # None: the wrapper's default
+    max_cached_tokens: int | None = None  # None: the runtime's default (32,768)
     block_size: int = 16
     host: str = "127.0.0.1"
     port: int = 8000
@@ -30,19 +34,12 @@ class ServeConfig:
     disk_cache_size: str | None = None  # its budget, e.g. "50G" (None: the default)
     shared_cache: str | None = None  # a Redis URL: a tier shared by every process pointing at it
 
-    def tier_options(self) -> dict:
-        """The wrapper's tier arguments."""
-        return {
-            "disk_cache": self.disk_cache,
-            "max_disk_bytes": self.disk_cache_size,
-            "shared_cache": self.shared_cache,
-        }
-
-    def engine_config(self):  # -> SchedulerConfig (imported here: the engine needs torch)
-        """The engine's scheduler settings."""
+    def runtime_config(self) -> RuntimeConfig:
+        """The model runtime's settings: pool, block size, the engine's step budget, the tier."""
         from engine.batching.scheduler import SchedulerConfig
+        from engine.runtime import RuntimeConfig
 
-        given = {
+        given: dict[str, Any] = {
             k: v
             for k, v in (
                 ("max_step_tokens", self.max_step_tokens),
@@ -51,7 +48,14 @@ class ServeConfig:
             )
             if v is not None
         }
-        return SchedulerConfig(**given)
+        return RuntimeConfig(
+            max_cached_tokens=self.max_cached_tokens,
+            block_size=self.block_size,
+            engine=SchedulerConfig(**given),
+            disk_cache=self.disk_cache,
+            max_disk_bytes=self.disk_cache_size,
+            shared_cache=self.shared_cache,
+        )
 
 
 def run_local(cfg: ServeConfig) -> int:
@@ -60,19 +64,13 @@ def run_local(cfg: ServeConfig) -> int:
     Returns the exit status: 0 after a graceful stop."""
     import uvicorn
 
+    from engine.runtime import ModelRuntime
     from engine.serve.app import create_app
-    from engine.serve.backend import LocalBackend, load_wrapped
+    from engine.serve.backend import LocalBackend
 
-    pcm = load_wrapped(
-        cfg.model,
-        max_cached_tokens=cfg.max_cached_tokens,
-        block_size=cfg.block_size,
-        seed=cfg.seed,
-        engine_config=cfg.engine_config(),
-        **cfg.tier_options(),
-    )
+    runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed)
     backend = LocalBackend(
-        pcm,
+        runtime,
         cfg.model,
         max_batch_size=cfg.max_batch_size,
         batch_wait_ms=cfg.batch_wait_ms,

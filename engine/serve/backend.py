@@ -1,19 +1,24 @@
-"""What the app talks to: a ``Backend`` runs ``GenerateCall``s. ``LocalBackend`` is one process: the
-continuous-batching engine of one ``PrefixCachedModel`` (``EngineLoop``), or, for a model the engine cannot run,
-a ``Batcher`` of batched ``generate`` calls; ``engine.serve.ray_app.RayBackend`` sends calls to Ray Serve
-replicas."""
+"""What the app talks to: a ``Backend`` runs ``GenerateCall``s. ``LocalBackend`` is one process: a ``Worker`` over
+one ``ModelRuntime``, the continuous-batching engine (``EngineLoop``) or, when the engine cannot run the model or was
+turned off, a ``Batcher`` of batched contiguous ``generate`` calls (``make_worker`` says which, and why);
+``engine.serve.ray_app.RayBackend`` sends calls to Ray Serve replicas."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from engine.models import context_length
+from engine.runtime import ModelRuntime
 from engine.serve.batcher import Batcher
 from engine.serve.engine_loop import EngineLoop
 from engine.serve.metrics import replica_figures
 from engine.serve.protocol import GenerateCall, StreamItem
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,14 @@ class Backend(Protocol):
         ...
 
 
-def model_info(model_id: str, model: Any, tokenizer: Any) -> ModelInfo:
-    """``ModelInfo`` of a loaded model and its tokenizer."""
+def model_info(model_id: str, runtime: ModelRuntime) -> ModelInfo:
+    """``ModelInfo`` of a loaded model runtime (which holds its tokenizer)."""
+    model = runtime.model
     gc = model.generation_config
     temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
-    return ModelInfo(model_id, tokenizer, context_length(model.config), int(model.config.vocab_size), temperature)
+    return ModelInfo(
+        model_id, runtime.tokenizer, context_length(model.config), int(model.config.vocab_size), temperature
+    )
 
 
 def describe_model(model: str) -> ModelInfo:
@@ -82,45 +90,50 @@ def describe_model(model: str) -> ModelInfo:
     return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature)
 
 
-def load_wrapped(
-    model: str,
+class Worker(Protocol):
+    """What serves calls on one runtime: ``EngineLoop`` (the engine) or ``Batcher`` (batched contiguous
+    ``generate``). Use from one event loop: ``start``, ``stream`` (any number at once), ``stop``."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
+        """New token ids as they come, then one ``Finished``; closing it early cancels the call."""
+        ...
+
+    def run_exclusive(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn()`` between steps or batches, holding the runtime's lock. Thread-safe."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Queue and step (or batch) counters now. Changes nothing."""
+        ...
+
+    @property
+    def cache_stats(self) -> dict[str, Any]:
+        """The runtime's ``cache_stats()`` as of the end of the last step or batch."""
+        ...
+
+
+def make_worker(
+    runtime: ModelRuntime,
     *,
-    max_cached_tokens: int | None,
-    block_size: int,
-    seed: int = 0,
-    engine_config: Any = None,
-    **tier: Any,
-) -> Any:
-    """A ``PrefixCachedModel`` of a preset name or a local model directory, with ``.tokenizer``; ``tier``: the
-    wrapper's ``disk_cache`` / ``max_disk_bytes`` / ``shared_cache``."""
-    from engine import PrefixCachedModel
-
-    return PrefixCachedModel.from_pretrained(
-        model,
-        seed=seed,
-        max_cached_tokens=max_cached_tokens,
-        block_size=block_size,
-        engine_config=engine_config,
-        **tier,
-    )
-
-
-Worker = EngineLoop | Batcher
-
-
-def make_worker(pcm: Any, *, use_engine: bool, max_batch_size: int, batch_wait_ms: float, after: Any = None) -> Worker:
-    """The engine loop over ``pcm``'s engine, or (``use_engine`` off, or a model the engine cannot run) a
-    ``Batcher``; the reason for the latter is logged. ``after(finished)``: the loop's ``after_step`` (the
-    batcher's ``after_batch`` is called with no argument)."""
-    import logging
-
-    engine = pcm.engine() if use_engine else None
+    use_engine: bool,
+    max_batch_size: int,
+    batch_wait_ms: float,
+    after: Callable[[bool], None] | None = None,
+) -> Worker:
+    """The engine loop over ``runtime``'s engine, or (``use_engine`` off, or a model the engine cannot run) a
+    ``Batcher``; the reason for the latter is logged. ``after(finished)``: run after each step or batch, on the
+    worker's thread (``finished``: whether a request finished in it; always True after a batch)."""
+    engine = runtime.engine() if use_engine else None
     if engine is not None:
-        return EngineLoop(pcm, engine, after_step=after)
-    why = pcm.engine_unsupported_reason if use_engine else "the engine was turned off (--no-engine)"
+        return EngineLoop(runtime, engine, after_step=after)
+    why = runtime.engine_unsupported_reason if use_engine else "the engine was turned off (--no-engine)"
     logging.getLogger("prefixcache").warning("prefixcache serve: batched generate instead of the engine: %s", why)
     return Batcher(
-        pcm,
+        runtime,
         max_batch_size=max_batch_size,
         batch_wait_ms=batch_wait_ms,
         after_batch=None if after is None else (lambda: after(True)),
@@ -128,22 +141,21 @@ def make_worker(pcm: Any, *, use_engine: bool, max_batch_size: int, batch_wait_m
 
 
 class LocalBackend:
-    """One process: calls go to ``worker`` (``make_worker``) over ``pcm`` (a ``PrefixCachedModel`` with
-    ``.tokenizer``)."""
+    """One process: calls go to ``worker`` (``make_worker``) over ``runtime`` (which holds the tokenizer)."""
 
     def __init__(
         self,
-        pcm: Any,
+        runtime: ModelRuntime,
         model_id: str,
         *,
         max_batch_size: int = 8,
         batch_wait_ms: float = 5.0,
         use_engine: bool = True,
     ) -> None:
-        self.pcm = pcm
-        self.info = model_info(model_id, pcm.model, pcm.tokenizer)
+        self.runtime = runtime
+        self.info = model_info(model_id, runtime)
         self.worker = make_worker(
-            pcm, use_engine=use_engine, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms
+            runtime, use_engine=use_engine, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms
         )
 
     async def start(self) -> None:

@@ -1,4 +1,8 @@
-"""Batcher: requests that wait together run as ONE batched ``PrefixCachedModel.generate``.
+"""Batcher: requests that wait together run as ONE batched contiguous cached ``generate`` (``engine.contiguous``).
+
+It serves a model the continuous-batching engine cannot run (``ModelRuntime.engine_unsupported_reason``: no
+``AttentionInterface`` dispatch, layers without KV of their own, attention sinks, a paged probe that differs), or
+any model with ``--no-engine``.
 
 Calls queue up on the event loop. The batch loop takes the oldest call and every other waiting call with the
 same sampling settings, up to ``max_batch_size``, waiting for more to come until ``batch_wait_ms`` after the
@@ -24,6 +28,9 @@ from typing import Any, TypeVar
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from engine import contiguous
+from engine.generate_checks import merged_config
+from engine.runtime import ModelRuntime, eos_ids
 from engine.serve.protocol import Finished, GenerateCall, StreamItem
 
 T = TypeVar("T")
@@ -80,7 +87,8 @@ def _deliver(items: list[tuple[_Job, list[int]]]) -> None:
 
 
 class Batcher:
-    """Serves ``GenerateCall``s through one ``PrefixCachedModel`` (``pcm``), batching those that wait together.
+    """Serves ``GenerateCall``s on one ``ModelRuntime``'s contiguous cached generate, batching those that wait
+    together.
 
     ``after_batch()`` runs on the worker thread after each batch, before its callers hear that they finished
     (the Ray replica publishes its cache events there, so the router knows a reply's blocks before the client
@@ -89,7 +97,7 @@ class Batcher:
 
     def __init__(
         self,
-        pcm: Any,
+        runtime: ModelRuntime,
         *,
         max_batch_size: int = 8,
         batch_wait_ms: float = 5.0,
@@ -99,13 +107,12 @@ class Batcher:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
-        self.pcm = pcm
+        self.runtime = runtime
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000
         self.after_batch = after_batch
-        gc = pcm.generation_config
-        eos = gc.eos_token_id
-        self.eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        gc = runtime.model.generation_config
+        self.eos = frozenset(eos_ids(gc))
         pad = gc.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos, default=0)
         self._pending: deque[_Job] = deque()
@@ -117,7 +124,7 @@ class Batcher:
         self.batch_rows = 0
         self.largest_batch = 0
         self.running = 0
-        self._cache_stats: dict[str, Any] = pcm.cache_stats()
+        self._cache_stats: dict[str, Any] = runtime.cache_stats()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -135,15 +142,21 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     def run_exclusive(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn()`` on the worker thread, between batches (e.g. inspect the cache). Thread-safe."""
-        return self._executor.submit(fn)
+        """Run ``fn()`` on the worker thread, between batches, holding the runtime's lock (e.g. inspect the cache).
+        Thread-safe."""
+
+        def locked() -> T:
+            with self.runtime.lock:
+                return fn()
+
+        return self._executor.submit(locked)
 
     # ---- figures -----------------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
         return sum(not j.cancelled for j in self._pending)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Queue and batch counters now. Changes nothing."""
         return {
             "queue_length": self.queue_length,
@@ -155,7 +168,7 @@ class Batcher:
 
     @property
     def cache_stats(self) -> dict[str, Any]:
-        """The wrapper's ``cache_stats()`` as of the end of the last batch (never waits for a running one)."""
+        """The runtime's ``cache_stats()`` as of the end of the last batch (never waits for a running one)."""
         return self._cache_stats
 
     # ---- calls -------------------------------------------------------------------------------------------
@@ -260,30 +273,32 @@ class Batcher:
         for r, c in enumerate(calls):
             ids[r, width - len(c.prompt) :] = torch.tensor(c.prompt, dtype=torch.long)
             mask[r, width - len(c.prompt) :] = 1
-        device = self.pcm.device
         watch = _RowWatch(jobs, self.eos)
         temperature, top_p = calls[0].sampling
-        sampling: dict[str, Any] = (
-            {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-            if temperature > 0
-            else {"do_sample": False}
-        )
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max(c.max_tokens for c in calls),
+            "stopping_criteria": StoppingCriteriaList([watch]),
+            "pad_token_id": self.pad_id,
+            **(
+                {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+                if temperature > 0
+                else {"do_sample": False}
+            ),
+        }
         self.batches += 1
         self.batch_rows += len(jobs)
         self.largest_batch = max(self.largest_batch, len(jobs))
-        self.pcm.generate(
-            ids.to(device),
-            attention_mask=mask.to(device),
-            namespace=[c.namespace for c in calls],
-            max_new_tokens=max(c.max_tokens for c in calls),
-            stopping_criteria=StoppingCriteriaList([watch]),
-            pad_token_id=self.pad_id,
-            **sampling,
-        )
-        rows = self.pcm.last_request_stats  # () when the call ran uncached
-        self._cache_stats = self.pcm.cache_stats()
+        rt = self.runtime
+        gc, reason = merged_config(rt.model, kwargs)
+        if reason is not None:  # the batcher's own settings: a bug, not the caller's
+            raise RuntimeError(f"the batcher's generate settings cannot use the cache: {reason}")
+        with rt.lock:
+            rt.follow()
+            _, rows = contiguous.generate(
+                rt, ids.to(rt.device), mask.to(rt.device), gc, [c.namespace for c in calls], kwargs
+            )
+            self._cache_stats = rt.cache_stats()
         if self.after_batch is not None:
             self.after_batch()
         for r, job in enumerate(jobs):
-            cached = rows[r].cached_tokens if rows else 0
-            job.send(Finished(job.finish or "length", len(job.call.prompt), cached, len(job.tokens)))
+            job.send(Finished(job.finish or "length", len(job.call.prompt), rows[r].cached_tokens, len(job.tokens)))

@@ -1,6 +1,6 @@
-"""EngineLoop: serves ``GenerateCall``s on a ``PrefixCachedModel``'s continuous-batching engine.
+"""EngineLoop: serves ``GenerateCall``s on a ``ModelRuntime``'s continuous-batching engine.
 
-One thread steps the engine while it has work (holding the wrapper's lock for each step) and sleeps when it has
+One thread steps the engine while it has work (holding the runtime's lock for each step) and sleeps when it has
 none. A call becomes an engine request as soon as it arrives: it joins the next step, whatever is running, and
 streams its tokens as they come (all the tokens of one step reach the event loop in one wake-up). A caller that
 goes away cancels its request: the engine stops it at the next step, caching its blocks and unpinning them.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
@@ -20,13 +21,14 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.batching.engine import Engine
-from engine.batching.request import Finished as EngineFinished
-from engine.batching.request import Request
+from engine.batching.request import Request, RequestResult
 from engine.batching.sampling import SamplingParams
+from engine.runtime import ModelRuntime
 from engine.serve.protocol import Finished, GenerateCall, PromptLogprobs, StreamItem
 from engine.serve.stop_strings import StopStrings
 
 T = TypeVar("T")
+log = logging.getLogger("prefixcache")
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often anyway (to notice stop())
 
 
@@ -42,7 +44,7 @@ class _CallSink:
     def tokens(self, ids: list[int]) -> None:
         self.buffer.append((self, list(ids)))
 
-    def finished(self, result: EngineFinished) -> None:
+    def finished(self, result: RequestResult) -> None:
         if result.finish_reason == "error":
             err = result.error if isinstance(result.error, BaseException) else RuntimeError(str(result.error))
             self.buffer.append((self, err))
@@ -102,19 +104,21 @@ def request_for(
 
 
 class EngineLoop:
-    """Runs ``pcm``'s engine on a thread of its own. Use from one event loop: ``start``, ``stream`` (any number
+    """Runs ``runtime``'s engine on a thread of its own. Use from one event loop: ``start``, ``stream`` (any number
     at once), ``stop``."""
 
-    def __init__(self, pcm: Any, engine: Engine, *, after_step: Callable[[bool], None] | None = None) -> None:
-        self.pcm = pcm
+    def __init__(
+        self, runtime: ModelRuntime, engine: Engine, *, after_step: Callable[[bool], None] | None = None
+    ) -> None:
+        self.runtime = runtime
         self.engine = engine
         self.after_step = after_step
         self._exclusive: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closing = False
         self._buffer: list[tuple[_CallSink, Any]] = []
-        self._cache_stats: dict[str, Any] = pcm.cache_stats()
-        tokenizer = getattr(pcm, "tokenizer", None)
+        self._cache_stats: dict[str, Any] = runtime.cache_stats()
+        tokenizer = runtime.tokenizer
         self._decode: Callable[[list[int]], str] | None = None
         if tokenizer is not None:
             self._decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
@@ -138,7 +142,7 @@ class EngineLoop:
         fut: Future[T] = Future()
         if self._thread is None or not self._thread.is_alive():
             try:
-                with self.pcm.lock:
+                with self.runtime.lock:
                     fut.set_result(fn())
             except BaseException as exc:
                 fut.set_exception(exc)
@@ -172,7 +176,7 @@ class EngineLoop:
 
     @property
     def cache_stats(self) -> dict[str, Any]:
-        """The wrapper's ``cache_stats()`` as of the end of the last step (never waits for a running one)."""
+        """The runtime's ``cache_stats()`` as of the end of the last step (never waits for a running one)."""
         return self._cache_stats
 
     # ---- calls -------------------------------------------------------------------------------------------
@@ -183,7 +187,7 @@ class EngineLoop:
             raise RuntimeError("the engine loop is not running")
         out: asyncio.Queue[Any] = asyncio.Queue()
         sink = _CallSink(asyncio.get_running_loop(), out, self._buffer, call)
-        req = request_for(call, f"{self.pcm.fingerprint}:{call.namespace}", sink, self._decode)
+        req = request_for(call, self.runtime.namespace(call.namespace), sink, self._decode)
         self.engine.submit(req)
         finished = False
         try:
@@ -221,14 +225,18 @@ class EngineLoop:
                 engine.wakeup.clear()
                 continue
             finished_before = engine.stats.finished
-            with self.pcm.lock:
+            with self.runtime.lock:
                 try:
-                    engine.step()
-                except BaseException as exc:  # a bug in the engine itself: fail everyone, keep serving
+                    engine.step()  # a request's own fault fails that request inside the step
+                except Exception as exc:  # a fault of the step as a whole (planning): fail everyone, keep serving
+                    log.exception("prefixcache serve: an engine step failed; failing its requests")
                     engine.abort_all(RuntimeError(f"engine step failed: {exc!r}"))
-                self._cache_stats = self.pcm.cache_stats()
+                self._cache_stats = self.runtime.cache_stats()
             if self.after_step is not None:
-                self.after_step(engine.stats.finished > finished_before)
+                try:
+                    self.after_step(engine.stats.finished > finished_before)
+                except Exception:  # e.g. publishing cache events to the router: the replica keeps serving
+                    log.exception("prefixcache serve: after_step failed")
             self._flush()
 
     def _flush(self) -> None:
@@ -252,7 +260,7 @@ class EngineLoop:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                with self.pcm.lock:
+                with self.runtime.lock:
                     fut.set_result(fn())
             except BaseException as exc:
                 fut.set_exception(exc)

@@ -119,7 +119,7 @@ class ServeMetrics:
 
 
 def replica_figures(cache_stats: Mapping[str, Any], batcher_stats: Mapping[str, Any]) -> dict[str, Any]:
-    """One replica's snapshot from ``PrefixCachedModel.cache_stats()`` and ``Batcher.stats()``."""
+    """One replica's snapshot from ``ModelRuntime.cache_stats()`` and its worker's ``stats()``."""
     cap = cache_stats.get("blocks_capacity") or 0
     figures = {
         k: cache_stats[k] for k in ("token_hit_rate", "prompt_tokens", "cached_tokens", "lookups") if k in cache_stats

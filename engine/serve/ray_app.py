@@ -3,8 +3,8 @@
 ```
 HTTP -> Ray Serve proxy -> Ingress (1 replica: the FastAPI app from app.py; tokenizes, validates)
           -> DeploymentHandle.generate(GenerateCall)  [PrefixAwareRouter picks the replica]
-          -> ModelReplica x N (each: a PrefixCachedModel, a Batcher; after each batch its cache events go to
-             the IndexHolder actor, which the router asks)
+          -> ModelReplica x N (each: a ModelRuntime and its worker; after each step its cache events go to the
+             IndexHolder actor, which the router asks)
 ```
 
 The router needs the prompt's tokens to look up the index, so the model replicas sit behind a handle (the
@@ -29,9 +29,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from engine.runtime import ModelRuntime
 from engine.serve import ServeConfig
 from engine.serve.app import create_app
-from engine.serve.backend import ModelInfo, describe_model, load_wrapped, make_worker
+from engine.serve.backend import ModelInfo, describe_model, make_worker
 from engine.serve.engine_loop import EngineLoop
 from engine.serve.metrics import replica_figures
 from engine.serve.protocol import Finished, GenerateCall, StreamItem
@@ -64,14 +65,14 @@ class EventPublisher:
     """Collects one replica's cache events and sends them, numbered, to the IndexHolder (``flush``, after engine
     steps, on the engine thread). Unacknowledged batches are resent with the next flush."""
 
-    def __init__(self, pcm: Any, index: Any, replica: str) -> None:
-        self.pcm = pcm
+    def __init__(self, runtime: ModelRuntime, index: Any, replica: str) -> None:
+        self.runtime = runtime
         self.index = index
         self.replica = replica
         self._events: list[Any] = []
         self._unacked: list[tuple[int, list[Any]]] = []
         self._number = 0
-        self.unsubscribe = pcm.cache.subscribe(self._events.append)
+        self.unsubscribe = runtime.cache.subscribe(self._events.append)
 
     @property
     def pending(self) -> bool:
@@ -84,7 +85,7 @@ class EventPublisher:
             self._unacked.append((self._number, list(self._events)))
             self._events.clear()
         try:
-            ref = self.index.publish.remote(self.replica, self.pcm.fingerprint, self._unacked, figures)
+            ref = self.index.publish.remote(self.replica, self.runtime.fingerprint, self._unacked, figures)
             acked = ray.get(ref, timeout=30)
         except Exception as exc:  # the index is unreachable: keep the events, resend next time
             logger.warning("prefixcache: could not publish cache events of %s: %r", self.replica, exc)
@@ -92,28 +93,22 @@ class EventPublisher:
         self._unacked = [(n, e) for n, e in self._unacked if n > acked]
 
 
-@serve.deployment(name="PrefixCachedModel")
+@serve.deployment(name="ModelReplica")
 class ModelReplica:
-    """One model replica: a PrefixCachedModel, a Batcher, and an EventPublisher feeding the router's index."""
+    """One model replica: a ModelRuntime, its worker (the engine loop, or a Batcher), and an EventPublisher feeding
+    the router's index."""
 
     def __init__(self, cfg: ServeConfig, index_name: str, threads: int | None = None) -> None:
         if threads is not None:
             import torch
 
             torch.set_num_threads(threads)
-        self.pcm = load_wrapped(
-            cfg.model,
-            max_cached_tokens=cfg.max_cached_tokens,
-            block_size=cfg.block_size,
-            seed=cfg.seed,
-            engine_config=cfg.engine_config(),
-            **cfg.tier_options(),
-        )
+        self.runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed)
         self.replica = serve.get_replica_context().replica_id.unique_id
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
-        self.publisher = EventPublisher(self.pcm, index, self.replica)
+        self.publisher = EventPublisher(self.runtime, index, self.replica)
         self.worker = make_worker(
-            self.pcm,
+            self.runtime,
             use_engine=cfg.use_engine,
             max_batch_size=cfg.max_batch_size,
             batch_wait_ms=cfg.batch_wait_ms,

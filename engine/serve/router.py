@@ -20,6 +20,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from engine.names import cache_namespace
 from engine.serve.protocol import GenerateCall
 from prefixcache.core.events import BlocksRemoved
 from prefixcache.sim.routing import (
@@ -38,7 +39,7 @@ INDEX_NAMESPACE = "prefixcache"
 
 class IndexHolder:
     """The cluster index of one deployment, fed by its replicas' cache events (a Ray actor; calls run one at a
-    time). ``fingerprint`` is the model's (the wrapper namespaces its cache as ``f"{fingerprint}:{namespace}"``)."""
+    time). ``fingerprint`` is the model's (``engine.names.cache_namespace`` joins it with the caller's name)."""
 
     def __init__(self, block_size: int, hash_seed: int = 0) -> None:
         self.block_size = block_size
@@ -96,7 +97,7 @@ class IndexHolder:
         and the number of blocks looked up."""
         if self.fingerprint is None or len(prompt) == 0:
             return {}, 0
-        space = f"{self.fingerprint}:{namespace}"
+        space = cache_namespace(self.fingerprint, namespace)
         keys = prompt_keys(prompt, space, block_size=self.block_size, hash_seed=self.hash_seed)
         return self.index.match(keys, space), len(keys)
 

@@ -31,10 +31,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from engine.tier.entry import HEADER, EntryError, TierBinding, decode, encode_into
 from engine.tier.lmdb_store import StoreError
+from prefixcache.core.cache import OutOfBlocks, PrefixCache, RequestHandle
 from prefixcache.core.hashing import TOKEN_DTYPE, chain_hashes, namespace_root, xxh3_hasher
 from prefixcache.core.tier import TierIndex
 
@@ -43,6 +45,7 @@ MAX_QUEUE_BYTES = 512 << 20  # K/V bytes waiting for the writer; beyond this, wr
 WRITE_BATCH_BYTES = 64 << 20  # bytes per store transaction
 WRITER_NICE = 19  # the writer thread's nice value (Linux): it takes only CPU the forwards leave
 RETRY_S = 5.0  # after a store failure, a shared tier is not asked again for this long
+Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]  # a request's token ids: a list, or the core's int32 array
 
 
 class TierWarning(UserWarning):
@@ -53,7 +56,8 @@ class TierWarning(UserWarning):
 class TierCounters:
     """What the store side did (the index's own counters are ``KVTier.index.stats``)."""
 
-    loaded_blocks: int = 0  # blocks read from the tier into the pool
+    loaded_blocks: int = 0  # blocks read from the tier
+    served_blocks: int = 0  # of those, blocks committed to the pool for a request (its cached tokens)
     corrupt_blocks: int = 0  # entries refused by a check (torn, truncated, corrupted, foreign)
     written_blocks: int = 0
     write_skipped: int = 0  # blocks not written: the queue was full, or the store was unavailable
@@ -237,6 +241,69 @@ class KVTier:
             self._warn(f"{self.store.name}: dropped the entry of block {keys[i].hex()}: {why}; recomputing it")
         return i
 
+    # ---- the per-request protocol (``prefixcache.core.tier``), one path for the wrapper and the engine ------
+    def keys_upto(self, keys: list[bytes], tokens: Tokens, namespace: str, upto: int) -> list[bytes]:
+        """``keys`` (the chained block keys of ``tokens``' first blocks in ``namespace``, as the core computes them)
+        extended to ``upto`` blocks, returned. Changes ``keys``."""
+        b = self.binding
+        extend_keys(keys, tokens, namespace, b.block_size, b.hash_seed, upto)
+        return keys
+
+    def load_after_match(
+        self,
+        cache: PrefixCache,
+        pool: Any,
+        handle: RequestHandle,
+        tokens: Tokens,
+        keys: list[bytes],
+        matched: Sequence[int],
+        limit: int,
+    ) -> tuple[int, ...]:
+        """Continue ``handle``'s pinned match (pool blocks ``matched``, the first blocks of ``tokens``) in the tier,
+        up to ``limit`` blocks: the blocks found are loaded into blocks of the request's own, then committed to the
+        tree by id (``cache.commit_blocks``, which moves the pin), so a failed load leaves nothing in the tree.
+        Returns the pool ids of the blocks after ``matched`` now cached (empty: the tier had none, or the pool had
+        no room). ``keys``: the request's keys so far (extended here). Changes the cache and the pool."""
+        bs, have = self.binding.block_size, len(matched)
+        self.keys_upto(keys, tokens, handle.namespace, limit)
+        found = self.lookup(keys, have, limit)
+        if found == 0:
+            return ()
+        rows = self.fetch(keys[have : have + found], block_tokens(tokens, bs, have, have + found))
+        n = len(rows)
+        while n:  # as many as the pool can take (all of them, unless it is nearly all pinned)
+            try:
+                ids = cache.allocate(handle, n)
+                break
+            except OutOfBlocks:
+                n //= 2
+        if n == 0:
+            return ()
+        try:
+            write_rows(pool, rows[:n], ids, self.binding)
+            res = cache.commit_blocks(handle, tokens[: (have + n) * bs], [*matched, *ids])
+        except Exception as exc:  # nothing joined the tree; the blocks taken go back when the request ends
+            self.counters.read_errors += 1
+            self._failed(exc, "loading blocks into the pool")
+            return ()
+        self.counters.served_blocks += n
+        return tuple(res.table[have:])
+
+    def save_path(
+        self, pool: Any, tokens: Tokens, namespace: str, keys: list[bytes], first: int, block_ids: Sequence[int]
+    ) -> None:
+        """Write through after a commit: the pool holds the path of ``tokens``' first ``first + len(block_ids)``
+        blocks, of which blocks ``first..`` were just committed to pool ``block_ids``; queue those the tier lacks
+        and refresh the whole path (``save``). ``keys``: the request's keys so far (extended here). A failure here is
+        counted and warned about, never raised: the tier only ever saves work."""
+        stop = first + len(block_ids)
+        try:
+            self.keys_upto(keys, tokens, namespace, stop)
+            self.save(pool, keys[:stop], first, block_tokens(tokens, self.binding.block_size, first, stop), block_ids)
+        except Exception as exc:  # the tier is best effort: the request and the pool go on without it
+            self.counters.write_errors += len(block_ids)
+            self._failed(exc, "queueing a write")
+
     # ---- write-through -------------------------------------------------------------------------------------
     def save(
         self, pool: Any, keys: Sequence[bytes], first: int, tokens: Sequence[bytes], block_ids: Sequence[int]
@@ -413,9 +480,7 @@ def write_rows(pool: Any, rows: torch.Tensor, block_ids: Sequence[int], binding:
             at += heads * width
 
 
-def extend_keys(
-    keys: list[bytes], tokens: Sequence[int], namespace: str, block_size: int, seed: int, upto: int
-) -> None:
+def extend_keys(keys: list[bytes], tokens: Tokens, namespace: str, block_size: int, seed: int, upto: int) -> None:
     """Append to ``keys`` (the chained block keys of ``tokens``' first blocks, as the core computes them) until it
     has ``upto``. Changes ``keys``."""
     have = len(keys)
@@ -426,7 +491,7 @@ def extend_keys(
     keys.extend(chain_hashes(xxh3_hasher(seed), parent, data, block_size, have, upto))
 
 
-def block_tokens(tokens: Sequence[int], block_size: int, start: int, stop: int) -> list[bytes]:
+def block_tokens(tokens: Tokens, block_size: int, start: int, stop: int) -> list[bytes]:
     """The int32 token bytes of blocks ``start..stop-1`` of ``tokens``."""
     data = np.asarray(tokens[start * block_size : stop * block_size], dtype=TOKEN_DTYPE).tobytes()
     bb = block_size * TOKEN_DTYPE.itemsize

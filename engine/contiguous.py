@@ -1,0 +1,251 @@
+"""The contiguous cached ``generate``: one ``model.generate`` call over a cache whose prompts are ready but for
+their last tokens.
+
+Every row's tokens (left padding stripped) -> ``PrefixCache.match`` in its namespace (continued in the tier when
+there is one) -> its cached blocks gathered from the ``KVPool`` into row r of a batch buffer, at its padded
+position -> (batches) each row's uncached suffix prefilled on its own into the same buffer -> ONE
+``model.generate`` on the original ids over a cache of those buffers, so the prompts' last tokens and all decoding
+run batched, exactly as on the bare model, with new tokens written into the buffers' room instead of
+concatenated -> ``commit`` each output row's full blocks (prompt + generated up to its first EOS) and scatter their
+K/V into the pool (and write them through to the tier) -> ``release`` (always, in a ``finally``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from engine import hf_cache
+from engine.kv_pool import LayerKV
+from engine.runtime import ModelRuntime, eos_ids
+from prefixcache.core import MatchResult
+from prefixcache.core.cache import RequestHandle
+from prefixcache.core.hashing import as_token_array
+from prefixcache.sim.causes import Fork, LiveRequest
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """One batch row of the last ``generate`` call: prompt length, tokens served from cache (pool and tier), blocks
+    added (the tier's loaded ones included), and why the other prompt tokens missed (``prefixcache.sim.causes``;
+    they sum to prompt - cached): the runtime remembers what it committed, up to ``HISTORY_FACTOR`` times its pool
+    in tokens unless ``miss_history_tokens`` says otherwise (older content counts as cold);
+    ``shared_tokens``/``shared_with``: the longest prefix it shares with an earlier row (numbered from 0 since
+    construction or ``reset_cache``) and which row that was."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    inserted_blocks: int
+    cold_tokens: int | None = None
+    evicted_tokens: int | None = None
+    diverged_tokens: int | None = None
+    partial_block_tokens: int | None = None
+    namespace_tokens: int | None = None
+    not_cached_tokens: int | None = None
+    shared_tokens: int | None = None
+    shared_with: int | None = None
+    divergence: Fork | None = None  # with diverged tokens: the tokens each side of where it departs
+    tier_tokens: int = 0  # of ``cached_tokens``, served by the second tier (disk or shared)
+
+
+def generate(
+    rt: ModelRuntime,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    gc: Any,
+    names: Sequence[str],
+    kwargs: dict[str, Any],
+) -> tuple[Any, tuple[RowStats, ...]]:
+    """``rt.model.generate`` over ``input_ids`` (left padding only, marked by ``attention_mask``; None: no padding)
+    with generation config ``gc`` and ``kwargs``, each row served from its longest cached prefix in namespace
+    ``names[r]``; returns what generate returns and each input row's ``RowStats``. The caller holds ``rt.lock`` and
+    has called ``rt.follow()``. Changes the cache: matched blocks refreshed, new full blocks of prompt + output
+    inserted."""
+    batch, width = input_ids.shape
+    if attention_mask is None:
+        pads = [0] * batch
+    else:
+        pads = (width - attention_mask.to(torch.long).sum(dim=1)).tolist()
+    rows = [input_ids[r, pads[r] :] for r in range(batch)]
+    copies = int(gc.num_return_sequences or 1)  # sampling n per prompt: generate's own expansion, done here
+    if copies > 1:
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
+        kwargs = {**kwargs, "num_return_sequences": 1}
+    pool, epoch = rt.kv_pool, rt.epoch
+    handles: list[RequestHandle] = []
+    try:
+        matches, live, tiered = [], [], []
+        for row, name in zip(rows, names):
+            ns = rt.namespace(name)
+            ids = as_token_array(row.detach().cpu())
+            m = rt.cache.match(ids, ns)
+            handles.append(m.handle)
+            got: tuple[int, ...] = ()
+            if rt.tier is not None:
+                got = rt.tier.load_after_match(
+                    rt.cache, pool, m.handle, ids, [], m.block_ids, (len(ids) - 1) // rt.block_size
+                )
+                if got:
+                    n = m.cached_blocks + len(got)
+                    m = MatchResult(m.handle, n * rt.block_size, n, (*m._runs, np.asarray(got, dtype=np.int64)))
+            matches.append(m)
+            tiered.append(len(got))
+            live.append(rt.causes.request(ids, ns, m.cached_tokens))
+        ready = matches[0].cached_tokens if batch == 1 else width - 1
+        bufs = pool.buffers(batch * copies, width + _new_tokens_bound(rt, gc, kwargs, width))
+        for r, m in enumerate(matches):
+            _prepare_row(rt, bufs, r * copies, pads[r], rows[r], m, ready)
+            for kv in bufs if copies > 1 else ():
+                if kv is not None:
+                    for side in kv:
+                        side[r * copies + 1 : (r + 1) * copies, :, :ready] = side[r * copies, :, :ready]
+        cache = hf_cache.buffer_cache(rt.model, bufs, ready)
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        generate_fn = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)
+        out = generate_fn(input_ids=input_ids, attention_mask=mask, **{hf_cache.cache_kwarg(rt.model): cache}, **kwargs)
+        if not isinstance(out, torch.Tensor) and any(v is cache for v in out.values()):
+            pool.surrender_buffers()  # the caller now holds the cache, which lives in them
+        inserted = [0] * batch
+        if rt.epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
+            inserted = _commit_or_drop(rt, out, cache, matches, pads, width, gc, live)
+        stats = tuple(
+            RowStats(len(row), m.cached_tokens, n + t, *lr.causes[:6], *lr.causes[7:], lr.fork, t * rt.block_size)
+            for row, m, n, lr, t in zip(rows, matches, inserted, live, tiered)
+        )
+        return out, stats
+    finally:
+        if rt.epoch == epoch:
+            _release_all(rt, handles)
+
+
+def _commit_or_drop(
+    rt: ModelRuntime,
+    out: Any,
+    cache: Any,
+    matches: list[MatchResult],
+    pads: list[int],
+    width: int,
+    gc: Any,
+    live: list[LiveRequest],
+) -> list[int]:
+    """``_commit_outputs``; if that fails, drop the cache (blocks may be in the tree without their KV: never serve
+    them) and take this call's blocks out of the counters again, then re-raise."""
+    stats = rt.cache.stats
+    counted = stats.blocks_inserted, stats.blocks_not_cached
+    try:
+        return _commit_outputs(rt, out, cache, matches, pads, width, gc, live)
+    except BaseException:
+        rt.drop()
+        stats.blocks_inserted, stats.blocks_not_cached = counted
+        raise
+
+
+def _release_all(rt: ModelRuntime, handles: list[RequestHandle]) -> None:
+    """Release every handle. An exception (a Ctrl-C) inside one release does not stop the others: that handle is
+    retried once, the rest are released, then the first exception is raised."""
+    error: BaseException | None = None
+    for h in handles:
+        for _attempt in range(2):
+            try:
+                if not h.released:
+                    rt.cache.release(h)
+                break
+            except BaseException as exc:
+                error = error or exc
+    if error is not None:
+        raise error
+
+
+def _prepare_row(
+    rt: ModelRuntime,
+    bufs: list[LayerKV | None],
+    r: int,
+    pad: int,
+    tokens: torch.Tensor,
+    m: MatchResult,
+    ready: int,
+) -> None:
+    """Fill row ``r`` of the batch buffers up to padded position ``ready``: zeros over the padding, the cached
+    prefix gathered from the pool, then (batches) the uncached suffix computed by the model."""
+    cached = m.cached_tokens
+    for kv in bufs:
+        if kv is not None:
+            kv[0][r, :, :pad].zero_()  # masked out, but must be finite
+            kv[1][r, :, :pad].zero_()
+    if cached:
+        rt.kv_pool.gather_into(
+            m.block_ids,
+            [None if kv is None else (kv[0][r, :, pad : pad + cached], kv[1][r, :, pad : pad + cached]) for kv in bufs],
+        )
+    todo = ready - pad - cached
+    if todo <= 0:
+        return
+    row_bufs: list[LayerKV | None] = [
+        None if kv is None else (kv[0][r : r + 1, :, pad:], kv[1][r : r + 1, :, pad:]) for kv in bufs
+    ]
+    row_cache = hf_cache.buffer_cache(rt.model, row_bufs, cached)
+    ids = tokens[cached : cached + todo].unsqueeze(0)
+    with torch.no_grad():
+        rt.model(
+            input_ids=ids,
+            attention_mask=torch.ones((1, cached + todo), dtype=torch.long, device=ids.device),
+            use_cache=True,
+            **{hf_cache.cache_kwarg(rt.model): row_cache},
+            **hf_cache.last_logits_only(rt.model),
+        )
+    hf_cache.settle(row_cache, row_bufs, cached + todo)
+
+
+def _commit_outputs(
+    rt: ModelRuntime,
+    out: Any,
+    cache: Any,
+    matches: list[MatchResult],
+    pads: list[int],
+    width: int,
+    gc: Any,
+    live: list[LiveRequest],
+) -> list[int]:
+    """Commit every output row's full blocks (prompt + generated up to its first EOS) and scatter their K/V (and
+    write them through to the tier); returns the blocks inserted per input row. ``live``: each input row's
+    miss-cause record, told what was committed."""
+    seqs = out if isinstance(out, torch.Tensor) else out.sequences
+    kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
+    per_input = seqs.shape[0] // len(matches)  # num_return_sequences rows follow their input row
+    eos = torch.tensor(eos_ids(gc), dtype=seqs.dtype, device=seqs.device)
+    inserted = [0] * len(matches)
+    for i in range(seqs.shape[0]):
+        r = i // per_input
+        stop = kv_len
+        if len(eos) and kv_len > width:
+            hit = torch.isin(seqs[i, width:kv_len], eos).nonzero()
+            if len(hit):
+                stop = width + int(hit[0]) + 1
+        committed = as_token_array(seqs[i, pads[r] : stop].detach().cpu())
+        handle = matches[r].handle
+        res = rt.cache.commit(handle, committed)
+        rt.causes.committed(live[r], committed, res)
+        if res.block_ids:
+            start = pads[r] + res.first_block * rt.block_size
+            end = start + len(res.block_ids) * rt.block_size
+            rt.kv_pool.scatter(res.block_ids, hf_cache.read_kv(cache, start, end, row=i))
+            inserted[r] += len(res.block_ids)
+        if rt.tier is not None:  # also when nothing is new: the path's recency moves
+            rt.tier.save_path(rt.kv_pool, committed, handle.namespace, [], res.first_block, res.block_ids)
+    return inserted
+
+
+def _new_tokens_bound(rt: ModelRuntime, gc: Any, kwargs: dict[str, Any], prompt_len: int) -> int:
+    """Tokens generate may append after the prompt, as far as worth reserving room for."""
+    if gc.max_new_tokens is not None:
+        new = gc.max_new_tokens
+    else:
+        new = (kwargs.get("max_length") or gc.max_length or 0) - prompt_len
+    limit = getattr(rt.model.config, "max_position_embeddings", None) or 8192
+    return max(0, min(int(new), int(limit)))

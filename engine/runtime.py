@@ -1,0 +1,405 @@
+"""ModelRuntime: one causal LM and everything its prefix cache is made of.
+
+A runtime owns, for one Hugging Face model: the KV pool on the model's device, the radix tree (``PrefixCache``)
+that indexes it, the optional second tier below it (``engine.tier``), the cache namespaces (the model's
+fingerprint joined with the caller's name), the watch on the model's weights, dtype and device (KV computed by
+other weights is never served), the miss-cause history, the lock every cached call holds, and the
+continuous-batching engine (made on first use). ``PrefixCachedModel`` is a transformers-compatible facade over a
+runtime; the server's engine loop and batcher and each Ray replica hold one directly.
+
+Thread safety: every method that reads or changes the cache takes ``lock`` (re-entrant); a serving thread holds it
+around each engine step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+
+from engine import hf_cache
+from engine.batching.engine import Engine
+from engine.batching.scheduler import SchedulerConfig
+from engine.errors import StaleCacheWarning, UnsupportedModelError, UnverifiedCacheWarning
+from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
+from engine.names import cache_namespace
+from engine.paged import linear
+from engine.paged.runner import PROBE_TOLERANCE, paged_unsupported_reason, probe_difference
+from engine.tier import KVTier, TierBinding, open_tier
+from engine.tier.open import binding_for
+from engine.weights import WeightsSnapshot, describe_change
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.core.checks import check_int
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.sim.causes import LiveCauses
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MAX_CACHED_TOKENS = 32_768
+HISTORY_FACTOR = 4  # the miss-cause history remembers this many pools' worth of committed tokens
+FAST_LINEAR_MAX_BYTES = 4 << 30  # prepacked oneDNN linears by default when their copy of the weights fits this
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a model's cache is built. Sizes are ints > 0 (numpy integers too): the pool holds ``max_cached_tokens``
+    (default 32,768) or ``max_cached_bytes`` (one of them) in blocks of ``block_size`` tokens. ``engine``: the
+    continuous-batching engine's step budget; ``fast_linear``: prepacked oneDNN linears in its forwards (None: on
+    the CPU when they fit ``FAST_LINEAR_MAX_BYTES``). The tier: ``disk_cache`` (a directory, budget
+    ``max_disk_bytes``) or ``shared_cache`` (a Redis URL). ``check_memory`` refuses a pool above 90% of the
+    device's available memory. ``miss_history_tokens``: committed tokens the miss-cause history remembers (None:
+    4 pools' worth; "unlimited"). ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens."""
+
+    max_cached_tokens: int | None = None
+    max_cached_bytes: int | None = None
+    block_size: int = 16
+    eviction: str = "lru"
+    hash_seed: int = 0
+    verify_tokens: bool = True
+    engine: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fast_linear: bool | None = None
+    disk_cache: str | os.PathLike[str] | None = None
+    max_disk_bytes: int | str | None = None
+    shared_cache: str | None = None
+    check_memory: bool = True
+    miss_history_tokens: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_cached_tokens is not None and self.max_cached_bytes is not None:
+            raise ValueError("give max_cached_tokens or max_cached_bytes, not both")
+        object.__setattr__(self, "block_size", _positive("block_size", self.block_size))
+        for name in ("max_cached_tokens", "max_cached_bytes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        history = self.miss_history_tokens
+        if isinstance(history, str) and history != "unlimited":
+            raise ValueError(
+                f"PrefixCachedModel: miss_history_tokens must be an int > 0, 'unlimited' or None, got {history!r}"
+            )
+        if history is not None and history != "unlimited":
+            object.__setattr__(self, "miss_history_tokens", _positive("miss_history_tokens", history))
+        if self.engine is None:  # a caller's "use the defaults"
+            object.__setattr__(self, "engine", SchedulerConfig())
+
+    def history_bound(self, pool_tokens: int) -> int | None:
+        """The miss-cause history's bound in tokens (None: unbounded)."""
+        if self.miss_history_tokens is None:
+            return HISTORY_FACTOR * pool_tokens
+        return None if self.miss_history_tokens == "unlimited" else int(self.miss_history_tokens)
+
+
+class ModelRuntime:
+    """The cache of ``model`` built as ``config`` says. ``on_unsupported``: "error" raises
+    ``UnsupportedModelError`` for a model that cannot be cached exactly; "passthrough" keeps it with no pool (a
+    one-block tree keeps the counters usable) and ``unsupported_reason`` set. ``hasher``: a test seam for forced
+    block-hash collisions."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: RuntimeConfig | None = None,
+        *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        on_unsupported: str = "error",
+        hasher: BlockHasher | None = None,
+    ) -> None:
+        if on_unsupported not in ("error", "passthrough"):
+            raise ValueError(f"on_unsupported must be 'error' or 'passthrough', got {on_unsupported!r}")
+        config = config or RuntimeConfig()
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.lock = threading.RLock()
+        self.block_size = config.block_size
+        self.epoch = 0  # bumped whenever the cache is dropped: a call that outlives its cache commits nothing
+        self.tier: KVTier | None = None
+        self.pool: KVPool | None = None
+        self.specs: list[LayerSpec | None] = []
+        self._engine: Engine | None = None
+        self._engine_reason: str | None = None
+        self._linears: Any = None
+        self._warned: set[str] = set()
+        self._tier_served_base = 0  # the tier's served_blocks at the last counter reset (the tier outlives it)
+        self.unsupported_reason = hf_cache.unsupported_reason(model)
+        if self.unsupported_reason is not None and on_unsupported == "error":
+            raise UnsupportedModelError(
+                f"PrefixCachedModel cannot cache {type(model).__name__}: {self.unsupported_reason}. "
+                "Pass on_unsupported='passthrough' to run it uncached."
+            )
+        self.fingerprint = fingerprint(model)
+        if self.unsupported_reason is not None:  # passthrough
+            self.cache = PrefixCache(CacheConfig(num_blocks=1, block_size=self.block_size, eviction=config.eviction))
+            self.causes = LiveCauses(self.block_size, config.history_bound(self.block_size))
+            return
+        self.specs = hf_cache.probe_specs(model)
+        num_blocks = self._num_blocks()
+        self.cache = PrefixCache(
+            CacheConfig(
+                num_blocks=num_blocks,
+                block_size=self.block_size,
+                eviction=config.eviction,
+                hash_seed=config.hash_seed,
+                verify_tokens=config.verify_tokens,
+            ),
+            hasher=hasher,
+        )
+        if not config.verify_tokens:
+            warnings.warn(
+                "PrefixCachedModel(verify_tokens=False): matches are not checked against the cached tokens, so a "
+                "block-hash collision would serve another prompt's KV (wrong outputs, no error)",
+                UnverifiedCacheWarning,
+                stacklevel=3,
+            )
+        self.pool = self._new_pool(num_blocks)
+        if config.disk_cache is not None or config.shared_cache is not None or config.max_disk_bytes is not None:
+            self.tier = open_tier(
+                self.binding(),
+                disk_cache=config.disk_cache,
+                max_disk_bytes=config.max_disk_bytes,
+                shared_cache=config.shared_cache,
+            )
+        self.causes = LiveCauses(self.block_size, config.history_bound(num_blocks * self.block_size))
+        self._weights = WeightsSnapshot.take(model)
+
+    @classmethod
+    def load(
+        cls,
+        name_or_path: str,
+        config: RuntimeConfig | None = None,
+        *,
+        dtype: Any = None,
+        device: Any = None,
+        seed: int = 0,
+    ) -> ModelRuntime:
+        """The runtime of a preset ("tiny", "small") or a local Hugging Face model folder (``engine.models``), its
+        tokenizer kept as ``tokenizer``."""
+        from engine.models import load_model
+
+        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, seed=seed)
+        return cls(model, config, tokenizer=tokenizer)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        per_block = bytes_per_token(self.specs, self.model.dtype) * self.block_size
+        if cfg.max_cached_bytes is not None:
+            num_blocks = cfg.max_cached_bytes // per_block
+            what = f"max_cached_bytes={cfg.max_cached_bytes} ({per_block} bytes per block)"
+        else:
+            tokens = DEFAULT_MAX_CACHED_TOKENS if cfg.max_cached_tokens is None else cfg.max_cached_tokens
+            num_blocks = tokens // self.block_size
+            what = f"max_cached_tokens={tokens} (block_size={self.block_size})"
+        if num_blocks < 1:
+            raise ValueError(f"{what} holds no block; raise it")
+        return num_blocks
+
+    def _new_pool(self, num_blocks: int) -> KVPool:
+        model = self.model
+        return KVPool(
+            self.specs,
+            num_blocks,
+            self.block_size,
+            dtype=model.dtype,
+            device=model.device,
+            check_memory=self.config.check_memory,
+        )
+
+    # ---- names -------------------------------------------------------------------------------------------
+    def namespace(self, name: str) -> str:
+        """The cache namespace of the caller's ``name`` (tenant, adapter, ...): the model's fingerprint joined with
+        it, so caches of different models never mix."""
+        return cache_namespace(self.fingerprint, name)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.model.device)
+
+    @property
+    def kv_pool(self) -> KVPool:
+        """The pool of a cacheable model (a passthrough runtime has none)."""
+        assert self.pool is not None, "a passthrough runtime has no KV pool"
+        return self.pool
+
+    def binding(self) -> TierBinding:
+        """What this runtime's tier entries are bound to (model, weights, dtype, block size, hash seed)."""
+        return binding_for(self.model, self.fingerprint, self.specs, self.block_size, self.cache.config.hash_seed)
+
+    # ---- the weights, dtype and device watch ------------------------------------------------------------------
+    def follow(self) -> None:
+        """Before a cached call: if the model moved or changed dtype, remake the pool there; if its weights
+        changed, drop the cache with a ``StaleCacheWarning``. KV of other weights, dtype or device is never served.
+        Keeps the counters. Changes the cache (only when something changed)."""
+        model, pool = self.model, self.pool
+        if pool is None:
+            return
+        if model.dtype != pool.dtype or self.device != pool.device:
+            self.pool = self._new_pool(pool.num_blocks)
+            self.drop()
+            self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
+            self.fingerprint = fingerprint(model)
+            if self.tier is not None:
+                self.tier.rebind(self.binding())
+            return
+        now = WeightsSnapshot.take(model)
+        what = describe_change(model, self._weights, now)
+        self._weights = now
+        if what is None:
+            return
+        blocks = self.cache.num_cached_blocks
+        self.drop()
+        if self.tier is not None:
+            self.tier.rebind(self.binding())
+        if blocks:
+            warnings.warn(
+                f"PrefixCachedModel: the model's weights changed since the cache was filled ({what}); "
+                f"dropped {blocks} cached blocks",
+                StaleCacheWarning,
+                stacklevel=4,
+            )
+
+    def is_current(self) -> bool:
+        """Whether the cache was filled by the model as it is now (same dtype, device and weights). Changes
+        nothing."""
+        pool, model = self.pool, self.model
+        if pool is None:
+            return True
+        if model.dtype != pool.dtype or self.device != pool.device:
+            return False
+        return describe_change(model, self._weights, WeightsSnapshot.take(model)) is None
+
+    def drop(self, *, keep_stats: bool = True) -> None:
+        """Forget every cached block and the miss-cause history; calls in progress commit nothing (``epoch``); the
+        engine's requests fail (their blocks are gone) and the engine is remade on next use."""
+        engine = self._engine
+        if engine is not None and engine.has_work():
+            engine.abort_all(RuntimeError("the prefix cache was dropped (weights, dtype or device changed)"))
+        self._engine = None
+        self._engine_reason = None
+        self._linears = None
+        self.cache.reset(keep_stats=keep_stats)
+        self.causes.reset()
+        if not keep_stats and self.tier is not None:
+            self._tier_served_base = self.tier.counters.served_blocks
+        self.epoch += 1
+
+    def close(self) -> None:
+        """Finish the tier's queued writes and close its store (the pool stays usable; the tier is gone)."""
+        with self.lock:
+            tier, self.tier = self.tier, None
+            self._engine = None
+            self._engine_reason = None
+        if tier is not None:
+            tier.close()
+
+    # ---- the engine --------------------------------------------------------------------------------------------
+    def engine(self) -> Engine | None:
+        """The continuous-batching engine over this cache and pool (made on first use, after ``follow``), or None
+        when the model cannot run on it (``engine_unsupported_reason`` says why). Hold ``lock`` around anything
+        that steps it."""
+        with self.lock:
+            self.follow()
+            if self._engine is None and self._engine_reason is None:
+                self._engine_reason = self._paged_reason()
+                if self._engine_reason is None:
+                    self._engine = Engine(
+                        self.model,
+                        self.cache,
+                        self.kv_pool,
+                        config=self.config.engine,
+                        eos_token_ids=eos_ids(self.model.generation_config),
+                        linears=self._packed(),
+                        tier=self.tier,
+                    )
+            return self._engine
+
+    @property
+    def engine_unsupported_reason(self) -> str | None:
+        """Why ``engine()`` is None (None when it is not, or was not asked for yet)."""
+        return self._engine_reason
+
+    def _paged_reason(self) -> str | None:
+        """Why the model cannot run on the paged engine exactly (a probe forward compared with its own), or None."""
+        if self.pool is None:
+            return f"model not cacheable: {self.unsupported_reason}"
+        reason = paged_unsupported_reason(self.model, self.pool)
+        if reason is None:
+            with self.cache.borrowed_blocks(min(4, self.cache.num_blocks)) as blocks:
+                diff = probe_difference(self.model, self.pool, blocks)
+            if diff > PROBE_TOLERANCE:
+                reason = f"its paged forward's logits differ from its own by {diff:.1e} (relative)"
+        return reason
+
+    def _packed(self) -> Any:
+        """The engine's prepacked linears (``engine.paged.linear``), or None."""
+        fast = self.config.fast_linear
+        if fast is False or linear.available(self.model) is not None:
+            return None
+        if self._linears is None:
+            if fast is None and linear.weight_bytes(self.model) > FAST_LINEAR_MAX_BYTES:
+                return None
+            self._linears = linear.PackedLinears(self.model)
+        return self._linears
+
+    # ---- figures -----------------------------------------------------------------------------------------------
+    def cache_stats(self) -> dict[str, Any]:
+        """Counters since construction or the last reset, plus occupancy. ``cached_tokens`` (and ``hit_blocks``,
+        the hit rates) count every prompt token served from cache, the pool's and the tier's alike (as
+        ``RowStats.cached_tokens`` and serve's ``usage`` do); ``pool_cached_tokens`` / ``tier_cached_tokens`` split
+        them. Changes nothing."""
+        with self.lock:
+            d: dict[str, Any] = self.cache.stats.as_dict()
+            d.update(
+                blocks_used=self.cache.num_cached_blocks,
+                blocks_capacity=self.cache.num_blocks,
+                block_size=self.block_size,
+                pool_bytes=self.pool.nbytes if self.pool is not None else 0,
+                active_requests=self.cache.num_active_requests,
+            )
+            tier_blocks = 0
+            if self.tier is not None:
+                d.update(self.tier.stats())
+                tier_blocks = int(d["tier_served_blocks"]) - self._tier_served_base
+            d["pool_cached_tokens"], d["pool_hit_blocks"] = d["cached_tokens"], d["hit_blocks"]
+            d["tier_cached_tokens"] = tier_blocks * self.block_size
+            d["cached_tokens"] += d["tier_cached_tokens"]
+            d["hit_blocks"] += tier_blocks
+            d["token_hit_rate"] = d["cached_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else 0.0
+            d["block_hit_rate"] = d["hit_blocks"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
+            return d
+
+    def warn_once(self, message: str, category: type[Warning], stacklevel: int = 4) -> None:
+        """Warn ``message`` the first time it is seen (at most 64 distinct messages are remembered)."""
+        if message not in self._warned and len(self._warned) < 64:
+            self._warned.add(message)
+            warnings.warn(message, category, stacklevel=stacklevel)
+
+
+def _positive(name: str, value: Any) -> int:
+    """``value`` (a Python or numpy integer) as an int > 0; TypeError / ValueError naming ``name`` otherwise."""
+    return check_int(value, f"PrefixCachedModel: {name}", minimum=1)
+
+
+def fingerprint(model: Any) -> str:
+    """A short hash of the model's class, config and dtype (caches of different models never mix)."""
+    try:
+        cfg = model.config.to_json_string(use_diff=False)
+    except Exception:  # pragma: no cover
+        cfg = repr(model.config)
+    return xxhash.xxh3_64_hexdigest(f"{type(model).__name__}|{model.dtype}|{cfg}".encode())
+
+
+def eos_ids(generation_config: Any) -> tuple[int, ...]:
+    """The EOS token ids of a generation config (``eos_token_id``: None, an int, or a list) as a tuple."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    if isinstance(eos, torch.Tensor):
+        return tuple(int(t) for t in eos.flatten().tolist())
+    return tuple(int(t) for t in eos)

@@ -238,11 +238,12 @@ def test_local_completions_against_prefixcache_serve_gives_the_in_process_result
     from lm_eval.api.registry import get_model
     from serve_testutil import server_thread
 
+    from engine import ModelRuntime, RuntimeConfig
     from engine.serve.app import create_app
-    from engine.serve.backend import LocalBackend, load_wrapped
+    from engine.serve.backend import LocalBackend
 
-    pcm = load_wrapped(str(model_dir), max_cached_tokens=8192, block_size=4)
-    backend = LocalBackend(pcm, str(model_dir))
+    runtime = ModelRuntime.load(str(model_dir), RuntimeConfig(max_cached_tokens=8192, block_size=4))
+    backend = LocalBackend(runtime, str(model_dir))
     with server_thread(create_app(backend)) as url:
         api = get_model("local-completions")(
             model=str(model_dir),
@@ -262,10 +263,10 @@ def test_local_completions_against_prefixcache_serve_gives_the_in_process_result
     in_process, over_http = runs["pc"]["samples"]["pc_gen"], served["samples"]["pc_gen"]
     assert len(over_http) == 6
     assert [x["resps"] for x in over_http] == [x["resps"] for x in in_process]
-    stats = pcm.cache_stats()
+    stats = runtime.cache_stats()
     assert stats["cached_tokens"] > 0.5 * stats["prompt_tokens"]  # choices share their item's context
-    pcm.cache.check_integrity()
-    assert pcm.cache.num_active_requests == 0
+    runtime.cache.check_integrity()
+    assert runtime.cache.num_active_requests == 0
 
 
 def test_context_beyond_max_length_is_cut_as_hf_cuts_it(model_dir, task_dir):
@@ -303,13 +304,35 @@ def test_preset_names_load_without_a_folder():
 
 @pytest.mark.timeout(600)  # a subprocess that imports lm-eval and runs a task: ~70 s on 2 loaded cores
 def test_cli_runs_lm_eval_with_the_model_registered(model_dir, task_dir, tmp_path):
+    """No --model: the prefixcache model (lm-eval's own default would be hf, uncached)."""
     out = tmp_path / "results"
-    args = ["--model", "prefixcache", "--model_args", f"pretrained={model_dir},dtype=float32,max_cached_tokens=4096"]
+    args = ["--model_args", f"pretrained={model_dir},dtype=float32,max_cached_tokens=4096"]
     args += ["--tasks", "pc_mc", "--include_path", str(task_dir), "--limit", "2", "--device", "cpu"]
     result = CliRunner().invoke(cli.app, ["eval", *args, "--output_path", str(out)])
     assert result.exit_code == 0, result.output
     assert "pc_mc" in result.output and "acc" in result.output
-    assert list(out.rglob("results_*.json"))  # lm-eval wrote its results
+    written = list(out.rglob("results_*.json"))  # lm-eval wrote its results
+    assert written and json.loads(written[0].read_text())["config"]["model"] == "prefixcache"
+
+
+def test_cli_refuses_another_model_and_defaults_to_prefixcache():
+    from prefixcache.cli.eval import with_model
+
+    assert with_model(["--model_args", "pretrained=small", "--tasks", "t"]) == [
+        "--model",
+        "prefixcache",
+        "--model_args",
+        "pretrained=small",
+        "--tasks",
+        "t",
+    ]
+    assert with_model(["--model=prefixcache", "--tasks", "t"]) == ["--model=prefixcache", "--tasks", "t"]
+    assert with_model(["--help"]) == ["--help"]
+    for args in (["--model", "hf", "--tasks", "t"], ["--tasks", "t", "--model=hf"], ["--model"]):
+        result = CliRunner().invoke(cli.app, ["eval", *args])
+        assert result.exit_code == 2, args
+        assert "prefixcache eval runs lm-eval's --model prefixcache" in result.output
+        assert len(result.output.strip().splitlines()) == 1
 
 
 def test_cli_names_the_extra_when_lm_eval_is_missing(monkeypatch):

@@ -32,6 +32,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+import _meta
 from prefixcache.sim.cluster import ClusterSpec, LoadModel, cluster_replay, global_bound
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.queueing import DEFAULT_CHUNK_TOKENS, DEFAULT_STEP_TOKENS, PrefillQueue
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--tiers", default="10000,100000", help="shared tier sizes, blocks ('' for none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    meta = _meta.begin()
     rates = [float(r) for r in args.rates.split(",")]
     chunked_queue = PrefillQueue("chunked", args.step_tokens, args.chunk_tokens or None)
     rows = []
@@ -127,9 +129,15 @@ def main() -> None:
     Console(width=160).print(table)
     print(f"chunked: {chunked_queue.label}")
     tiers = [int(b) for b in args.tiers.split(",") if b]
-    tier_rows = shared_tier_rows(tiers, rates[0], {(r["trace"], r["replicas"], r["router"]): r for r in rows})
+    today = {(r["trace"], r["replicas"], r["prefill_rate"], r["router"]): r for r in rows}
+    tier_rows = shared_tier_rows(tiers, rates[0], today)
     if args.json:
-        doc = {"chunked_queue": chunked_queue.settings(), "rows": rows, "shared_tier_rows": tier_rows}
+        doc = {
+            "meta": _meta.end(meta),
+            "chunked_queue": chunked_queue.settings(),
+            "rows": rows,
+            "shared_tier_rows": tier_rows,
+        }
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -137,8 +145,9 @@ TIER_ROUTERS = ("round_robin", "prefix_balanced")
 
 
 def shared_tier_rows(tiers: list[int], rate: float, today: dict) -> list[dict]:
-    """Round robin and prefix_balanced above one shared tier of each size, next to today's (no tier) rows and
-    the global bound with and without the tier; prints them as a table. Returns the rows."""
+    """Round robin and prefix_balanced above one shared tier of each size, next to today's (no tier) rows at the
+    same prefill rate (``today`` is keyed by trace, replicas, prefill rate and router) and the global bound with
+    and without the tier; prints them as a table. Returns the rows."""
     out = []
     for name in ("mooncake_conversation", "mooncake_synthetic"):
         reqs = from_trace(load_trace(TRACES / f"{name}_trace.jsonl.gz"))
@@ -149,7 +158,7 @@ def shared_tier_rows(tiers: list[int], rate: float, today: dict) -> list[dict]:
                 for router in TIER_ROUTERS:
                     t = time.perf_counter()
                     s = cluster_replay(reqs, replace(spec, router=router)).summary()
-                    base = today[(name, n, router)]
+                    base = today[(name, n, rate, router)]
                     out.append(
                         {
                             "trace": name,

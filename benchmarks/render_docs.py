@@ -6,7 +6,8 @@
 The prose lives in ``docs/templates/``; every figure in it names the JSON value it shows, so a doc edited by hand
 or a JSON rerun without re-rendering fails ``--check`` (CI runs it, and so does tests/test_docs.py). Outputs:
 ``docs/benchmarks.md`` (whole), and the regions between ``<!-- begin NAME ... -->`` and ``<!-- end NAME -->`` in
-README.md (the headline results) and docs/tiers-simulation.md (the shared-tier cluster table).
+README.md (the headline results), docs/tiers-simulation.md (the shared-tier cluster table) and docs/tiers.md (its
+measured figures): ``TARGETS``.
 
 Template syntax:
 
@@ -25,7 +26,8 @@ Template syntax:
     {% rerun SOURCE: COMMAND %}         the command that rewrites SOURCE (a line of its own; shared by all templates).
 
 FORMAT: fN (N decimals, thousands separators: 4,105), xN (the same and "x": 17.9x), pctN (a fraction as a percent:
-83.4%), msN (seconds as milliseconds), eN (2.7e-5), str; none: integers as 4,105, strings as they are.
+83.4%), msN (seconds as milliseconds), eN (2.7e-5), yes (true/false as yes/no), str; none: integers as 4,105,
+strings as they are.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ TARGETS = (
     Target("benchmarks.md", "docs/benchmarks.md"),
     Target("readme_results.md", "README.md", "headline-results"),
     Target("tiers_simulation_cluster.md", "docs/tiers-simulation.md", "cluster-shared-tier"),
+    Target("tiers_measured.md", "docs/tiers.md", "tier-measured"),
 )
 
 # Where a JSON keeps the 1-minute load average before and after its run: _meta.py's record first, then the
@@ -310,6 +313,10 @@ def fmt(value: Any, spec: str | None) -> str:
         return ", ".join(fmt(v, spec) for v in value)
     if spec == "str":
         return str(value)
+    if spec == "yes":
+        if not isinstance(value, bool):
+            raise TemplateError(f"format yes needs true or false, got {value!r}")
+        return "yes" if value else "no"
     if spec is None:
         if isinstance(value, str):
             return value

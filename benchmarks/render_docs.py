@@ -45,7 +45,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-TEMPLATES = ROOT / "docs" / "templates"
 
 
 @dataclass(frozen=True)

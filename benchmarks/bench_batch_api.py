@@ -32,6 +32,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _meta
 from engine import PrefixCachedModel
 from engine.models import load_model
 
@@ -131,6 +132,7 @@ def main() -> None:
     walls: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {}
     info: dict[str, Any] = {}
+    meta = _meta.begin(peers=("transformers",))
     load_before = os.getloadavg()
     for r in range(args.runs):
         for name, fn in methods.items():  # interleaved, so drifting load hits every method alike
@@ -173,6 +175,7 @@ def main() -> None:
     Console().print(table)
     print(f"bare model generate agrees on {bare_ok}/{min(args.check, len(prompts))} checked requests")
     result = {
+        "meta": _meta.end(meta),
         "args": vars(args) | {"json": str(args.json) if args.json else None},
         "wall_s": walls,
         "median_s": med,

@@ -26,6 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+import _meta
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs argv[1:] as its own child and prints that child's peak RSS (KiB) and exit status as JSON.
@@ -112,10 +114,11 @@ def run_json(args: list[str], timeout: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help="write the rows as a JSON list to this file")
+    ap.add_argument("--json", type=Path, help="write the rows (and the run's meta) as JSON to this file")
     ap.add_argument("--timeout", type=float, default=300, help="seconds allowed per measurement")
     ap.add_argument("--requests", type=int, default=40_000, help="requests in new namespaces for (c)")
     args = ap.parse_args()
+    meta = _meta.begin()
     console = Console(width=None if Console().is_terminal else 150)
     py = sys.executable
     cli = [py, "-c", "from prefixcache.cli import main; main()"]
@@ -169,7 +172,7 @@ def main() -> None:
         table.add_row(row["measure"], row["value"], row["note"])
     console.print(table)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"meta": _meta.end(meta), "rows": rows}, indent=2))
         console.print(f"wrote {args.json}")
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+import _meta
 from prefixcache.sim.lru_curve import lru_curve
 from prefixcache.sim.node_trace import canonical_blocks
 from prefixcache.sim.optimal import next_uses, optimal_hits
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--kvtester", type=Path, help="the kv-cache-tester trace (.jsonl.gz; not shipped) for part (b)")
     args = ap.parse_args()
+    meta = _meta.begin()
     out: dict = {}
 
     out["mooncake"] = rows = bench_mooncake(args.repeat)
@@ -259,7 +261,7 @@ def main() -> None:
                     "and equals the curve"
                 )
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1, default=str))
+        args.json.write_text(json.dumps({"meta": _meta.end(meta), **out}, indent=1, default=str))
         console.print(f"JSON written to {args.json}")
 
 

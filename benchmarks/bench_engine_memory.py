@@ -27,6 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _meta
+
 
 def _status(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -142,6 +144,7 @@ def main() -> None:
     if args.child == "batched":
         print(json.dumps(child_batched(args)))
         return
+    meta = _meta.begin()
     results = []
     for which in ("engine", "batched"):
         cmd = [sys.executable, __file__, "--child", which, "--model", args.model, "--rows", str(args.rows)]
@@ -164,7 +167,8 @@ def main() -> None:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+        payload = {"meta": _meta.end(meta), "args": vars(args) | {"json": str(args.json)}, "results": results}
+        args.json.write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the engine's time goes: serve_peers' chat workload driven straight into the engine (no HTTP), step by step.
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
-                                            [--block-size 16] [--json FILE]
+                                            [--block-size 16] [--runs 1] [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
 turns of ~60 tokens, 32-token greedy replies: the workload of ``../shared/serve_peers/``, built by its own
@@ -10,7 +10,9 @@ loop steps the engine. Printed: requests/s, TTFT, cached tokens, and the split o
 scheduling, the forward (and attention inside it), and what follows the forward (log-softmax/sampling, streaming,
 committing blocks); the rest of the wall time is this loop's own Python (chat templates, decoding replies).
 Compared with ``serve_peers.py --servers pc`` on the same machine, the difference in requests/s is what HTTP, the
-event loop and the engine thread cost.
+event loop and the engine thread cost. ``cores_busy`` is this process's CPU time over the wall time. With --runs N
+the whole workload is played N times, each on a fresh model and engine: the JSON's top level is the first run,
+``runs`` has every run's requests/s, TTFT and cores busy (the machine's run-to-run noise).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import _meta  # noqa: E402
 from engine import PrefixCachedModel  # noqa: E402
 from engine.batching.request import Request, RequestResult  # noqa: E402
 from engine.batching.sampling import SamplingParams  # noqa: E402
@@ -116,10 +119,24 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--pool-tokens", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=1, help="play the workload this many times, each on a fresh engine")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    meta = _meta.begin()
     round_chats = _round_chats()
     torch.set_num_threads(os.cpu_count() or 1)
+    runs = [one_run(args, round_chats) for _ in range(args.runs)]
+    result = runs[0]
+    if args.json:
+        payload = {"meta": _meta.end(meta), "args": {k: str(v) for k, v in vars(args).items()}}
+        payload |= {"machine": platform.processor(), **result, "cpu_count": os.cpu_count()}
+        keys = ("wall_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "cpu_s", "cores_busy")
+        payload["runs"] = [{k: r[k] for k in keys} for r in runs]
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def one_run(args: argparse.Namespace, round_chats: Any) -> dict[str, Any]:
+    """Play the workload once on a fresh model and engine; print and return its figures."""
     config = SchedulerConfig(max_step_tokens=args.max_step_tokens, max_chunk_tokens=args.max_chunk_tokens)
     pcm = PrefixCachedModel.from_pretrained(
         args.model, max_cached_tokens=args.pool_tokens, block_size=args.block_size, engine_config=config
@@ -129,13 +146,13 @@ def main() -> None:
         raise SystemExit(f"the engine cannot run this model: {pcm.engine_unsupported_reason}")
     chats = round_chats(args.seed, args.chats, args.tenants, args.turns, 300, 60)
     clients = [Client(chats[i :: args.clients], pcm, engine, args.max_tokens) for i in range(args.clients)]
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     active = [c for c in clients if c.submit_next()]
     while active:
         with pcm.lock:
             engine.step()
         active = [c for c in active if c.collect()]
-    wall = time.monotonic() - t0
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     pcm.cache.check_integrity()
     s = engine.stats
     ttft = sorted(t for c in clients for t in c.ttft)
@@ -154,6 +171,8 @@ def main() -> None:
         "prefill_tokens": s.prefill_tokens,
         "decode_tokens": s.decode_tokens,
         "preemptions": s.preemptions,
+        "cpu_s": cpu,
+        "cores_busy": cpu / wall,
         "time_s": {
             "schedule": s.schedule_s,
             "forward_without_attention": s.forward_s - s.attention_s,
@@ -167,7 +186,7 @@ def main() -> None:
         f"{done} requests in {wall:.1f} s: {result['requests_per_s']:.2f} req/s; TTFT p50 {result['ttft_p50_ms']:.0f} "
         f"/ p99 {result['ttft_p99_ms']:.0f} ms; prompt {result['mean_prompt_tokens']:.0f} tokens, cached "
         f"{result['mean_cached_tokens']:.0f}; {s.steps} steps of {result['tokens_per_step']:.1f} tokens, "
-        f"{result['requests_per_step']:.1f} requests"
+        f"{result['requests_per_step']:.1f} requests; {result['cores_busy']:.2f} cores busy"
     )
     table = Table(title=f"where the time goes ({args.model}, {args.clients} clients, no HTTP)")
     for col in ("part", "seconds", "share of wall", "ms per step"):
@@ -175,10 +194,7 @@ def main() -> None:
     for part, sec in result["time_s"].items():
         table.add_row(part.replace("_", " "), f"{sec:.1f}", f"{100 * sec / wall:.1f}%", f"{1000 * sec / s.steps:.2f}")
     console.print(table)
-    if args.json:
-        payload = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": platform.processor(), **result}
-        payload["cpu_count"] = os.cpu_count()
-        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+import _meta
+
 TASKS = {"a": "mc_sampled", "b": "mc_shared", "c": "short_answer"}
 TARGETS = {"mc_sampled": 0.35, "mc_shared": 0.1, "short_answer": 0.7}
 PREFILL_TARGET = 1.15
@@ -412,6 +414,7 @@ def main() -> None:
     from engine.lm_eval_model import PrefixCacheLM
     from engine.models import load_model
 
+    meta = _meta.begin(peers=("lm_eval",))
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_lm_eval_") as tmp:
@@ -471,6 +474,7 @@ def main() -> None:
         print(f"{what}: {value:.4g} (target {target}) {'OK' if met else 'MISSED'}")
     if args.json:
         payload = {
+            "meta": _meta.end(meta),
             "args": vars(args) | {"json": str(args.json)},
             "prefixcache": info,
             "host": {

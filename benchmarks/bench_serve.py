@@ -50,6 +50,7 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
+import _meta
 from prefixcache.workload.generators import generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,6 +422,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the results as JSON")
     args = ap.parse_args()
+    meta = _meta.begin(peers=("ray",))
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         for group in plan(args):
@@ -462,7 +464,7 @@ def main() -> None:
         op = "<=" if "max/min" in what else ">="
         console.print(f"{what}: {value:.2f} (target {op} {target}) {'OK' if met else 'MISSED'}")
     if args.json:
-        payload = {"args": vars(args) | {"json": str(args.json)}, "rows": list(rows.values())}
+        payload = {"meta": _meta.end(meta), "args": vars(args) | {"json": str(args.json)}, "rows": list(rows.values())}
         payload["targets"] = [{"what": w, "value": v, "target": t, "met": m} for w, v, t, m in checks]
         args.json.write_text(json.dumps(payload, indent=1, default=str) + "\n")
 

@@ -11,6 +11,9 @@ process and one run, alternating (medians of --repeat):
   the least recently used leaf — the oldest entry is always a leaf, since a request touches its path
   deepest-first; nothing is written).
 
+With --runs N the whole comparison is made N times, one after the other, and each run's medians are kept
+(``runs``, ``run_ratios``): the ratio moves between runs on a shared machine, and one run's pairs do not show it.
+
 The reference's hit counts must equal ours (an independent check of the replay). Optionally (--kvtester
 FILE, not shipped) the kv-cache-tester trace at one capacity, loading included.
 
@@ -20,7 +23,7 @@ part of the analysis is included every time), in CPU seconds of this process (ro
 shared machine), medians of --repeat; also two token scenarios (5x the repeats). The causes must not make
 simulate more than 1.3x slower on the Mooncake traces.
 
-    python benchmarks/bench_simulate.py [--repeat 3] [--json FILE] [--kvtester FILE --kvtester-blocks N]
+    python benchmarks/bench_simulate.py [--repeat 3] [--runs 1] [--json FILE] [--kvtester FILE --kvtester-blocks N]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+import _meta
 from prefixcache.cli import app
 from prefixcache.sim.policy import Capacity
 from prefixcache.sim.replay import simulate
@@ -148,38 +152,49 @@ def timed(fn, *args):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=1, help="whole comparisons, one after the other (medians of each)")
     ap.add_argument("--json", type=Path, help="write the results as JSON")
     ap.add_argument("--kvtester", type=Path, help="the kv-cache-tester trace (.jsonl.gz), if you have it")
     ap.add_argument("--kvtester-blocks", type=int, default=100_000)
     args = ap.parse_args()
-    rows = []
+    meta = _meta.begin()
+    times: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in MOONCAKE}  # per run: ours, ref
+    record: dict[str, tuple[list[dict], int]] = {}  # per trace: the record's totals and its size in bytes
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        for name in MOONCAKE:
-            path = TRACES / name
-            t_ours, t_ref = [], []
-            for _ in range(args.repeat):
-                s, _ = timed(ours, path, out)
-                t_ours.append(s)
-                got = totals(out)
-                s, (ref_blocks, ref_tokens) = timed(reference_replay, path, CAPACITIES)
-                t_ref.append(s)
-            got_blocks = [t["hit_blocks"] for t in got]
-            got_tokens = [t["cached_tokens"] for t in got]
-            assert got_blocks == ref_blocks and got_tokens == ref_tokens, (name, got_blocks, ref_blocks)
-            rows.append(
-                {
-                    "trace": name.split(".")[0],
-                    "capacities": ["unlimited" if c is None else c for c in CAPACITIES],
-                    "block_hit_rates": [round(t["block_hit_rate"], 4) for t in got],
-                    "token_hit_rates": [round(t["token_hit_rate"], 4) for t in got],
-                    "simulate_s": statistics.median(t_ours),
-                    "reference_s": statistics.median(t_ref),
-                    "simulate_runs_s": t_ours,
-                    "reference_runs_s": t_ref,
-                    "json_bytes": out.stat().st_size,
-                }
-            )
+        for _run in range(args.runs):
+            for name in MOONCAKE:
+                path = TRACES / name
+                t_ours, t_ref = [], []
+                for _ in range(args.repeat):
+                    s, _ = timed(ours, path, out)
+                    t_ours.append(s)
+                    got = totals(out)
+                    s, (ref_blocks, ref_tokens) = timed(reference_replay, path, CAPACITIES)
+                    t_ref.append(s)
+                got_blocks = [t["hit_blocks"] for t in got]
+                got_tokens = [t["cached_tokens"] for t in got]
+                assert got_blocks == ref_blocks and got_tokens == ref_tokens, (name, got_blocks, ref_blocks)
+                times[name].append((t_ours, t_ref))
+                record[name] = got, out.stat().st_size
+        rows = [
+            {
+                "trace": name.split(".")[0],
+                "capacities": ["unlimited" if c is None else c for c in CAPACITIES],
+                "block_hit_rates": [round(t["block_hit_rate"], 4) for t in record[name][0]],
+                "token_hit_rates": [round(t["token_hit_rate"], 4) for t in record[name][0]],
+                "simulate_s": statistics.median(times[name][0][0]),  # the first run's medians
+                "reference_s": statistics.median(times[name][0][1]),
+                "simulate_runs_s": times[name][0][0],
+                "reference_runs_s": times[name][0][1],
+                "runs": [
+                    {"simulate_s": statistics.median(o), "reference_s": statistics.median(r)} for o, r in times[name]
+                ],
+                "run_ratios": [statistics.median(o) / statistics.median(r) for o, r in times[name]],
+                "json_bytes": record[name][1],
+            }
+            for name in MOONCAKE
+        ]
     kv = None
     if args.kvtester is not None:
         t0 = time.perf_counter()
@@ -236,7 +251,8 @@ def main() -> None:
             f"{kv['replay_s']:.1f} s, token hit rate {kv['token_hit_rate']:.4f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "kvtester": kv, "causes": causes_rows}, indent=1) + "\n")
+        doc = {"meta": _meta.end(meta), "rows": rows, "kvtester": kv, "causes": causes_rows}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

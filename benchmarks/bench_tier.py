@@ -34,10 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console
 from rich.table import Table
 
+import _meta
+
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "tier_documents.yaml"
 POOL_TOKENS = 4352
 BS = 16
+
+
+def redis_server_version() -> str | None:
+    """``redis-server --version``'s version, or None without a redis-server. Changes nothing."""
+    try:
+        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return next((w.removeprefix("v=") for w in out.split() if w.startswith("v=")), out.strip() or None)
 
 
 def _p50(xs: list[float]) -> float:
@@ -227,6 +238,7 @@ def main() -> None:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         ap.error(f"--parts: unknown {unknown}; known: {', '.join(PARTS)}")
+    meta = _meta.begin(peers=("lmdb", "redis"), redis_server=redis_server_version())
     out: dict[str, Any] = {"model": args.model, "machine": platform.processor() or platform.machine()}
     out["load_before"] = os.getloadavg()
     console = Console()
@@ -274,7 +286,7 @@ def main() -> None:
         table.add_row("  b / a request time; outputs equal", f"{r['ratio']:.3f}x; {r['outputs_equal']}", "")
     console.print(table)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    args.json.write_text(json.dumps({"meta": _meta.end(meta), **out}, indent=1))
     console.print(f"wrote {args.json}")
 
 

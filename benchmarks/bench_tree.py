@@ -27,6 +27,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+import _meta
 from prefixcache import CacheConfig, CacheStats, PrefixCache
 
 TRACES = Path(__file__).resolve().parents[1] / "scenarios" / "traces"  # shipped with the repository
@@ -179,9 +180,10 @@ def best_of(repeat: int, make_cache, runner, data) -> tuple[PrefixCache, tuple]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller workloads (about 0.5M tokens)")
-    ap.add_argument("--json", type=Path, help="write the rows as a JSON list to this file")
+    ap.add_argument("--json", type=Path, help="write the rows (and the run's meta) as JSON to this file")
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the median-throughput run is kept")
     args = ap.parse_args()
+    meta = _meta.begin()
     console = Console(width=None if Console().is_terminal else 170)
     rows: list[dict] = []
     bs = 16
@@ -273,7 +275,7 @@ def main() -> None:
         f"{big['us_per_request'] / base['us_per_request']:.2f}x the 'holds all' run"
     )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"meta": _meta.end(meta), "rows": rows}, indent=2))
         console.print(f"wrote {args.json}")
 
 

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import transformers
 
+import _meta
 from engine import PrefixCachedModel, hf_cache
 from engine.models import load_model
 from engine.replay import TTFTStreamer
@@ -382,6 +383,7 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    meta = _meta.begin(peers=("transformers",))
     repeats = args.repeats or (3 if args.quick else 7)
     runs = args.runs or (1 if args.quick else 3)
     console = Console(width=130)
@@ -433,6 +435,7 @@ def main() -> None:
     load_after = os.getloadavg()
     console.print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
     result = {
+        "meta": _meta.end(meta),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "settings": {
             "model": args.model,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,7 +62,7 @@ class RuntimeConfig:
     eviction: str = "lru"
     hash_seed: int = 0
     verify_tokens: bool = True
-    engine: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: SchedulerConfig | None = None  # None: SchedulerConfig's defaults
     fast_linear: bool | None = None
     disk_cache: str | os.PathLike[str] | None = None
     max_disk_bytes: int | str | None = None
@@ -84,8 +84,6 @@ class RuntimeConfig:
             )
         if history is not None and history != "unlimited":
             object.__setattr__(self, "miss_history_tokens", _positive("miss_history_tokens", history))
-        if self.engine is None:  # a caller's "use the defaults"
-            object.__setattr__(self, "engine", SchedulerConfig())
 
     def history_bound(self, pool_tokens: int) -> int | None:
         """The miss-cause history's bound in tokens (None: unbounded)."""

@@ -164,11 +164,13 @@ def test_cache_config() -> None:
 def test_engine_classes() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from engine import PrefixCachedModel
+    from engine import ModelRuntime, PrefixCachedModel, RuntimeConfig
     from engine.batching.scheduler import SchedulerConfig
 
     _check_python("PrefixCachedModel", PrefixCachedModel)
     _check_python("SchedulerConfig", SchedulerConfig)
+    _check_python("RuntimeConfig", RuntimeConfig)
+    _check_python("ModelRuntime", ModelRuntime)
 
 
 def test_lm_eval_model() -> None:
@@ -180,7 +182,7 @@ def test_lm_eval_model() -> None:
 
 def test_every_section_is_checked() -> None:
     """A section nobody checks would drift: each one is a command or a class above."""
-    classes = {"PrefixCachedModel", "CacheConfig", "SchedulerConfig", "PrefixCacheLM"}
+    classes = {"PrefixCachedModel", "CacheConfig", "SchedulerConfig", "PrefixCacheLM", "RuntimeConfig", "ModelRuntime"}
     assert sorted(set(DOCS) - set(COMMANDS) - classes) == []
 
 

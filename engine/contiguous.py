@@ -12,14 +12,19 @@ K/V into the pool (and write them through to the tier) -> ``release`` (always, i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 import torch
+from transformers import StoppingCriteriaList
+from transformers.cache_utils import DynamicCache
 
 from engine import hf_cache
+from engine.hybrid import recurrent
+from engine.hybrid.rows import BoundaryCapture, HybridRow, prefill, stack_states
 from engine.kv_pool import LayerKV
 from engine.runtime import ModelRuntime, eos_ids
 from prefixcache.core import MatchResult
@@ -59,12 +64,14 @@ def generate(
     gc: Any,
     names: Sequence[str],
     kwargs: dict[str, Any],
+    hints: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Any, tuple[RowStats, ...]]:
     """``rt.model.generate`` over ``input_ids`` (left padding only, marked by ``attention_mask``; None: no padding)
     with generation config ``gc`` and ``kwargs``, each row served from its longest cached prefix in namespace
     ``names[r]``; returns what generate returns and each input row's ``RowStats``. The caller holds ``rt.lock`` and
     has called ``rt.follow()``. Changes the cache: matched blocks refreshed, new full blocks of prompt + output
-    inserted."""
+    inserted. A hybrid model's rows are served up to their deepest recurrent-state snapshot (``engine.hybrid``);
+    ``hints[r]``: token positions of row r (after its padding) where prefixes diverge, to snapshot at."""
     batch, width = input_ids.shape
     if attention_mask is None:
         pads = [0] * batch
@@ -77,17 +84,32 @@ def generate(
         if attention_mask is not None:
             attention_mask = attention_mask.repeat_interleave(copies, dim=0)
         kwargs = {**kwargs, "num_return_sequences": 1}
-    pool, epoch = rt.kv_pool, rt.epoch
+    pool, epoch, hy = rt.kv_pool, rt.epoch, rt.hybrid
     handles: list[RequestHandle] = []
     try:
         matches, live, tiered = [], [], []
-        for row, name in zip(rows, names):
+        plans: list[HybridRow | None] = []
+        for r, (row, name) in enumerate(zip(rows, names)):
             ns = rt.namespace(name)
             ids = as_token_array(row.detach().cpu())
-            m = rt.cache.match(ids, ns)
+            if hy is None:
+                m = rt.cache.match(ids, ns)
+                plans.append(None)
+            else:  # served up to the deepest snapshot the KV match reaches
+                kv_blocks, keys = rt.cache.probe(ids, ns) // rt.block_size, []
+                restored, slot = hy.restore_point(keys, ids, ns, kv_blocks)
+                m = rt.cache.match(ids, ns, max_blocks=restored)
+                points = hy.points(
+                    restored=restored,
+                    matched=kv_blocks,
+                    limit=len(ids),
+                    prompt_tokens=len(ids),
+                    hints=() if hints is None else hints[r],
+                )
+                plans.append(HybridRow(ns, keys, restored, slot, points))
             handles.append(m.handle)
             got: tuple[int, ...] = ()
-            if rt.tier is not None:
+            if rt.tier is not None and hy is None:
                 got = rt.tier.load_after_match(
                     rt.cache, pool, m.handle, ids, [], m.block_ids, (len(ids) - 1) // rt.block_size
                 )
@@ -97,23 +119,36 @@ def generate(
             matches.append(m)
             tiered.append(len(got))
             live.append(rt.causes.request(ids, ns, m.cached_tokens))
-        ready = matches[0].cached_tokens if batch == 1 else width - 1
+        # a hybrid row's suffix is always prefilled on its own: its state must see no padding
+        ready = matches[0].cached_tokens if batch == 1 and hy is None else width - 1
         bufs = pool.buffers(batch * copies, width + _new_tokens_bound(rt, gc, kwargs, width))
+        row_caches = []
         for r, m in enumerate(matches):
-            _prepare_row(rt, bufs, r * copies, pads[r], rows[r], m, ready)
+            row_caches.append(_prepare_row(rt, bufs, r * copies, pads[r], rows[r], m, ready, plans[r]))
             for kv in bufs if copies > 1 else ():
                 if kv is not None:
                     for side in kv:
                         side[r * copies + 1 : (r + 1) * copies, :, :ready] = side[r * copies, :, :ready]
         cache = hf_cache.buffer_cache(rt.model, bufs, ready)
+        capture = None
+        if hy is not None:
+            stack_states(hy, cache, row_caches, copies)
+            capture = BoundaryCapture(hy, cache, [pads[i // copies] for i in range(batch * copies)], eos_ids(gc))
+            kwargs = {
+                **kwargs,
+                "stopping_criteria": StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), capture]),
+            }
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         generate_fn = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)
-        out = generate_fn(input_ids=input_ids, attention_mask=mask, **{hf_cache.cache_kwarg(rt.model): cache}, **kwargs)
+        with recurrent.stepwise() if hy is not None and hy.tokenwise else contextlib.nullcontext():
+            out = generate_fn(
+                input_ids=input_ids, attention_mask=mask, **{hf_cache.cache_kwarg(rt.model): cache}, **kwargs
+            )
         if not isinstance(out, torch.Tensor) and any(v is cache for v in out.values()):
             pool.surrender_buffers()  # the caller now holds the cache, which lives in them
         inserted = [0] * batch
         if rt.epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
-            inserted = _commit_or_drop(rt, out, cache, matches, pads, width, gc, live)
+            inserted = _commit_or_drop(rt, out, cache, matches, pads, width, gc, live, plans, capture)
         stats = tuple(
             RowStats(len(row), m.cached_tokens, n + t, *lr.causes[:6], *lr.causes[7:], lr.fork, t * rt.block_size)
             for row, m, n, lr, t in zip(rows, matches, inserted, live, tiered)
@@ -133,13 +168,15 @@ def _commit_or_drop(
     width: int,
     gc: Any,
     live: list[LiveRequest],
+    plans: list[HybridRow | None],
+    capture: BoundaryCapture | None,
 ) -> list[int]:
     """``_commit_outputs``; if that fails, drop the cache (blocks may be in the tree without their KV: never serve
     them) and take this call's blocks out of the counters again, then re-raise."""
     stats = rt.cache.stats
     counted = stats.blocks_inserted, stats.blocks_not_cached
     try:
-        return _commit_outputs(rt, out, cache, matches, pads, width, gc, live)
+        return _commit_outputs(rt, out, cache, matches, pads, width, gc, live, plans, capture)
     except BaseException:
         rt.drop()
         stats.blocks_inserted, stats.blocks_not_cached = counted
@@ -170,9 +207,12 @@ def _prepare_row(
     tokens: torch.Tensor,
     m: MatchResult,
     ready: int,
-) -> None:
+    plan: HybridRow | None,
+) -> DynamicCache | None:
     """Fill row ``r`` of the batch buffers up to padded position ``ready``: zeros over the padding, the cached
-    prefix gathered from the pool, then (batches) the uncached suffix computed by the model."""
+    prefix gathered from the pool, then (batches, hybrid models) the uncached suffix computed by the model; a hybrid
+    row starts from its snapshot's state and keeps snapshots on the way. Returns the row's cache (None when
+    ``generate`` computes the suffix itself)."""
     cached = m.cached_tokens
     for kv in bufs:
         if kv is not None:
@@ -184,12 +224,22 @@ def _prepare_row(
             [None if kv is None else (kv[0][r, :, pad : pad + cached], kv[1][r, :, pad : pad + cached]) for kv in bufs],
         )
     todo = ready - pad - cached
-    if todo <= 0:
-        return
+    if todo <= 0 and plan is None:
+        return None
     row_bufs: list[LayerKV | None] = [
         None if kv is None else (kv[0][r : r + 1, :, pad:], kv[1][r : r + 1, :, pad:]) for kv in bufs
     ]
     row_cache = hf_cache.buffer_cache(rt.model, row_bufs, cached)
+    if plan is not None:
+        hy = rt.hybrid
+        assert hy is not None
+        if plan.slot is not None:
+            hy.pool.restore_cache(row_cache, plan.slot)
+        if todo > 0:
+            kwarg, logits = hf_cache.cache_kwarg(rt.model), hf_cache.last_logits_only(rt.model)
+            prefill(rt.model, hy, row_cache, tokens, cached, cached + todo, plan, kwarg, logits)
+            hf_cache.settle(row_cache, row_bufs, cached + todo)
+        return row_cache
     ids = tokens[cached : cached + todo].unsqueeze(0)
     with torch.no_grad():
         rt.model(
@@ -200,6 +250,7 @@ def _prepare_row(
             **hf_cache.last_logits_only(rt.model),
         )
     hf_cache.settle(row_cache, row_bufs, cached + todo)
+    return row_cache
 
 
 def _commit_outputs(
@@ -211,10 +262,12 @@ def _commit_outputs(
     width: int,
     gc: Any,
     live: list[LiveRequest],
+    plans: list[HybridRow | None],
+    capture: BoundaryCapture | None,
 ) -> list[int]:
     """Commit every output row's full blocks (prompt + generated up to its first EOS) and scatter their K/V (and
-    write them through to the tier); returns the blocks inserted per input row. ``live``: each input row's
-    miss-cause record, told what was committed."""
+    write them through to the tier, or, for a hybrid model, keep its request-end state snapshot); returns the
+    blocks inserted per input row. ``live``: each input row's miss-cause record, told what was committed."""
     seqs = out if isinstance(out, torch.Tensor) else out.sequences
     kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
     per_input = seqs.shape[0] // len(matches)  # num_return_sequences rows follow their input row
@@ -238,6 +291,9 @@ def _commit_outputs(
             inserted[r] += len(res.block_ids)
         if rt.tier is not None:  # also when nothing is new: the path's recency moves
             rt.tier.save_path(rt.kv_pool, committed, handle.namespace, [], res.first_block, res.block_ids)
+        plan = plans[r]
+        if capture is not None and plan is not None:
+            capture.publish(i, res.cached_blocks * rt.block_size, list(plan.keys), committed, plan.namespace)
     return inserted
 
 

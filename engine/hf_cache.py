@@ -20,7 +20,14 @@ import inspect
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from engine.kv_pool import LayerKV, LayerSpec
 
@@ -29,32 +36,8 @@ try:  # shared-KV / attention-free placeholder layers (transformers >= 5.x)
 except ImportError:  # pragma: no cover - older transformers
     DummyLayer = ()  # type: ignore[assignment,misc]
 
-RECURRENT_MODEL_TYPES = frozenset(
-    {
-        "mamba",
-        "mamba2",
-        "falcon_mamba",
-        "falcon_h1",
-        "rwkv",
-        "jamba",
-        "zamba",
-        "zamba2",
-        "bamba",
-        "granitemoehybrid",
-        "recurrent_gemma",
-        "xlstm",
-        "lfm2",
-        "lfm2_moe",
-        "qwen3_next",
-        "qwen3_5",
-        "kimi_linear",
-        "minimax",
-        "nemotron_h",
-        "olmo_hybrid",
-        "plamo2",
-        "mamba_ssm",
-    }
-)
+# model types whose recurrent state lives outside transformers' DynamicCache layers (their own cache classes)
+OWN_STATE_MODEL_TYPES = frozenset({"rwkv", "xlstm", "minimax", "mamba_ssm"})
 
 
 def cache_kwarg(model) -> str:
@@ -78,10 +61,10 @@ def unsupported_reason(model) -> str | None:
             f"{type(model).__name__} (model_type={model_type!r}) is an encoder-decoder model: its decoder cache "
             "depends on the encoder input, so a decoder-token prefix cannot be reused"
         )
-    if getattr(model, "_is_stateful", False) or model_type in RECURRENT_MODEL_TYPES:
+    if model_type in OWN_STATE_MODEL_TYPES:
         return (
-            f"{type(model).__name__} (model_type={model_type!r}) keeps recurrent state (SSM / linear attention), "
-            "which cannot be split into per-token KV blocks"
+            f"{type(model).__name__} (model_type={model_type!r}) keeps its recurrent state in a cache class of its "
+            "own, which prefixcache cannot snapshot"
         )
     if not hasattr(model, "generate") or not getattr(model, "can_generate", lambda: True)():
         return f"{type(model).__name__} cannot generate"
@@ -89,14 +72,36 @@ def unsupported_reason(model) -> str | None:
         template = DynamicCache(config=config.get_text_config(decoder=True))
     except Exception as exc:  # pragma: no cover - exotic configs
         return f"cannot build a DynamicCache for {type(model).__name__}: {exc}"
+    recurrent = attention = 0
     for i, layer in enumerate(template.layers):
-        if not isinstance(layer, (DynamicLayer, DummyLayer)) or getattr(layer, "is_linear", False):
+        kind = type(layer).__name__
+        if kind == "DynamicIndexedLayer":
+            return f"{type(model).__name__} uses indexed (sparse) attention caches, which are not plain KV"
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, DynamicSlidingWindowLayer):
             return (
-                f"{type(model).__name__} layer {i} uses {type(layer).__name__}, not pure attention KV "
-                "(recurrent or compressed state cannot be split into blocks)"
+                f"{type(model).__name__} layer {i} uses {kind} (a recurrent state and a sliding window in one layer), "
+                "which prefixcache does not restore"
             )
-    if any(type(layer).__name__ == "DynamicIndexedLayer" for layer in template.layers):
-        return f"{type(model).__name__} uses indexed (sparse) attention caches, which are not plain KV"
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            recurrent += 1
+            attention += isinstance(layer, DynamicLayer)  # recurrent and attention in one layer (Falcon-H1)
+        elif isinstance(layer, DynamicLayer):
+            attention += 1
+        elif not isinstance(layer, DummyLayer) or getattr(layer, "is_linear", False):
+            return (
+                f"{type(model).__name__} layer {i} uses {kind}, neither attention KV nor a recurrent state "
+                "prefixcache can restore"
+            )
+    if recurrent and not attention:
+        return (
+            f"{type(model).__name__} (model_type={model_type!r}) has recurrent layers only: transformers' cache "
+            "cannot hold a prefix of it (no attention layer to count its length)"
+        )
+    if getattr(model, "_is_stateful", False) and not recurrent:
+        return (
+            f"{type(model).__name__} (model_type={model_type!r}) keeps recurrent state outside transformers' "
+            "cache layers, which prefixcache cannot snapshot"
+        )
     return None
 
 
@@ -151,13 +156,36 @@ class InPlaceLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
+class InPlaceHybridLayer(LinearAttentionLayer, InPlaceLayer):
+    """An ``InPlaceLayer`` that also keeps a recurrent state (Falcon-H1's layers run attention and a Mamba mixer
+    side by side on one cache layer): K/V in the buffers, the state as a ``LinearAttentionLayer``'s."""
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int, number_of_states: int):
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        InPlaceLayer.__init__(self, key_buffer, value_buffer, length)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # the attention part (K/V), as transformers' hybrid layer dispatches
+            DynamicLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return InPlaceLayer.update(self, key_states, value_states, *args, **kwargs)
+
+
 def buffer_cache(model, buffers: Sequence[LayerKV | None], length: int) -> DynamicCache:
     """A NEW DynamicCache whose attention layers are ``InPlaceLayer``s over ``buffers`` (per layer K and V
-    ``[batch, heads, capacity, dim]``, e.g. ``KVPool.buffers``), holding their first ``length`` positions."""
+    ``[batch, heads, capacity, dim]``, e.g. ``KVPool.buffers``), holding their first ``length`` positions; a hybrid
+    model's recurrent layers are the template's (fresh, no state)."""
     cache = DynamicCache()
     cache.layers = _layers_template(model)
     for i, (layer, bufs) in enumerate(zip(cache.layers, buffers)):
-        if bufs is not None and not isinstance(layer, DummyLayer):
+        if bufs is None or isinstance(layer, DummyLayer):
+            continue
+        if isinstance(layer, LinearAttentionAndFullAttentionLayer):
+            cache.layers[i] = InPlaceHybridLayer(bufs[0], bufs[1], length, layer.number_of_states)
+        else:
             cache.layers[i] = InPlaceLayer(bufs[0], bufs[1], length)
     return cache
 

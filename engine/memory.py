@@ -83,21 +83,24 @@ def pool_size_text(bytes_per_token: int, tokens: int) -> str:
     )
 
 
-def check_pool(bytes_per_token: int, tokens: int, device: torch.device | str) -> None:
-    """Refuse (``PoolTooLargeError``) or warn about (``PoolSizeWarning``) a pool of ``tokens`` tokens of
+def check_pool(
+    bytes_per_token: int, tokens: int, device: torch.device | str, *, what: str = "the KV pool", fix: str | None = None
+) -> None:
+    """Refuse (``PoolTooLargeError``) or warn about (``PoolSizeWarning``) a pool of ``tokens`` tokens (or slots) of
     ``bytes_per_token`` bytes each on ``device`` (see the module docstring); silent when it fits easily or the
-    device's memory is unknown."""
+    device's memory is unknown. ``what``/``fix``: the pool's name and the option that sizes it, for the message."""
     avail = available_memory(device)
     if avail is None:
         return
     need = bytes_per_token * tokens
     if need <= WARN_SHARE * avail.bytes:
         return
-    what = (
-        f"the KV pool needs {pool_size_text(bytes_per_token, tokens)}; {device} has "
-        f"{human_bytes(avail.bytes)} available ({avail.source})"
-    )
-    fix = "lower max_cached_tokens / max_cached_bytes (or --max-cached-tokens)"
+    if what == "the KV pool":
+        size = pool_size_text(bytes_per_token, tokens)
+    else:
+        size = f"{human_bytes(need)} ({bytes_per_token:,} bytes x {tokens:,} slots = {need:,} bytes)"
+    what = f"{what} needs {size}; {device} has {human_bytes(avail.bytes)} available ({avail.source})"
+    fix = fix or "lower max_cached_tokens / max_cached_bytes (or --max-cached-tokens)"
     if need > ERROR_SHARE * avail.bytes:
         raise PoolTooLargeError(f"{what}: it would not fit; {fix}, or pass check_memory=False to allocate it anyway")
     warnings.warn(

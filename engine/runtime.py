@@ -26,6 +26,8 @@ from engine import hf_cache
 from engine.batching.engine import Engine
 from engine.batching.scheduler import SchedulerConfig
 from engine.errors import StaleCacheWarning, UnsupportedModelError, UnverifiedCacheWarning
+from engine.hybrid.setup import open_hybrid
+from engine.hybrid.store import HybridStates
 from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
 from engine.names import cache_namespace
 from engine.paged import linear
@@ -54,7 +56,10 @@ class RuntimeConfig:
     the CPU when they fit ``FAST_LINEAR_MAX_BYTES``). The tier: ``disk_cache`` (a directory, budget
     ``max_disk_bytes``) or ``shared_cache`` (a Redis URL). ``check_memory`` refuses a pool above 90% of the
     device's available memory. ``miss_history_tokens``: committed tokens the miss-cause history remembers (None:
-    4 pools' worth; "unlimited"). ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens."""
+    4 pools' worth; "unlimited"). ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens.
+    Hybrid models (recurrent layers beside attention, docs/hybrid.md): ``max_cached_states`` recurrent-state
+    snapshots are kept (None: 64) beside a live state per running engine request; ``snapshot_interval``: also keep
+    one every so many blocks of a prompt (0: only where the policy says)."""
 
     max_cached_tokens: int | None = None
     max_cached_bytes: int | None = None
@@ -69,6 +74,8 @@ class RuntimeConfig:
     shared_cache: str | None = None
     check_memory: bool = True
     miss_history_tokens: int | str | None = None
+    max_cached_states: int | None = None
+    snapshot_interval: int = 0
 
     def __post_init__(self) -> None:
         if self.max_cached_tokens is not None and self.max_cached_bytes is not None:
@@ -84,6 +91,10 @@ class RuntimeConfig:
             )
         if history is not None and history != "unlimited":
             object.__setattr__(self, "miss_history_tokens", _positive("miss_history_tokens", history))
+        if self.max_cached_states is not None:
+            object.__setattr__(self, "max_cached_states", _positive("max_cached_states", self.max_cached_states))
+        interval = check_int(self.snapshot_interval, "PrefixCachedModel: snapshot_interval", minimum=0)
+        object.__setattr__(self, "snapshot_interval", interval)
 
     def history_bound(self, pool_tokens: int) -> int | None:
         """The miss-cause history's bound in tokens (None: unbounded)."""
@@ -117,6 +128,7 @@ class ModelRuntime:
         self.block_size = config.block_size
         self.epoch = 0  # bumped whenever the cache is dropped: a call that outlives its cache commits nothing
         self.tier: KVTier | None = None
+        self.hybrid: HybridStates | None = None
         self.pool: KVPool | None = None
         self.specs: list[LayerSpec | None] = []
         self._engine: Engine | None = None
@@ -136,6 +148,20 @@ class ModelRuntime:
             self.causes = LiveCauses(self.block_size, config.history_bound(self.block_size))
             return
         self.specs = hf_cache.probe_specs(model)
+        self.hybrid = open_hybrid(
+            model,
+            live=self.scheduler_config.max_running + 1,  # each running engine request's state, and the probe's
+            snapshots=config.max_cached_states,
+            block_size=self.block_size,
+            hash_seed=config.hash_seed,
+            interval=config.snapshot_interval,
+            check_memory=config.check_memory,
+        )
+        if self.hybrid is not None and (config.disk_cache is not None or config.shared_cache is not None):
+            raise ValueError(
+                f"{type(model).__name__} is a hybrid model: the disk and shared tiers hold attention KV only, not its "
+                "recurrent-state snapshots; leave disk_cache / shared_cache unset"
+            )
         num_blocks = self._num_blocks()
         self.cache = PrefixCache(
             CacheConfig(
@@ -206,6 +232,11 @@ class ModelRuntime:
             device=model.device,
             check_memory=self.config.check_memory,
         )
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The engine's step budget (the config's, else the defaults)."""
+        return self.config.engine or SchedulerConfig()
 
     # ---- names -------------------------------------------------------------------------------------------
     def namespace(self, name: str) -> str:
@@ -281,6 +312,8 @@ class ModelRuntime:
         self._linears = None
         self.cache.reset(keep_stats=keep_stats)
         self.causes.reset()
+        if self.hybrid is not None:
+            self.hybrid.reset()
         if not keep_stats and self.tier is not None:
             self._tier_served_base = self.tier.counters.served_blocks
         self.epoch += 1
@@ -308,7 +341,7 @@ class ModelRuntime:
                         self.model,
                         self.cache,
                         self.kv_pool,
-                        config=self.config.engine,
+                        config=self.scheduler_config,
                         eos_token_ids=eos_ids(self.model.generation_config),
                         linears=self._packed(),
                         tier=self.tier,
@@ -324,6 +357,8 @@ class ModelRuntime:
         """Why the model cannot run on the paged engine exactly (a probe forward compared with its own), or None."""
         if self.pool is None:
             return f"model not cacheable: {self.unsupported_reason}"
+        if self.hybrid is not None:
+            return "a hybrid model (recurrent layers) runs on the contiguous path"
         reason = paged_unsupported_reason(self.model, self.pool)
         if reason is None:
             with self.cache.borrowed_blocks(min(4, self.cache.num_blocks)) as blocks:
@@ -368,6 +403,8 @@ class ModelRuntime:
             d["hit_blocks"] += tier_blocks
             d["token_hit_rate"] = d["cached_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else 0.0
             d["block_hit_rate"] = d["hit_blocks"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
+            if self.hybrid is not None:
+                d.update(self.hybrid.stats())
             return d
 
     def warn_once(self, message: str, category: type[Warning], stacklevel: int = 4) -> None:

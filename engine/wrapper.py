@@ -108,6 +108,8 @@ class PrefixCachedModel:
         shared_cache: str | None = None,
         check_memory: bool = True,
         miss_history_tokens: int | str | None = None,
+        max_cached_states: int | None = None,
+        snapshot_interval: int = 0,
     ) -> None:
         config = RuntimeConfig(
             max_cached_tokens=max_cached_tokens,
@@ -123,6 +125,8 @@ class PrefixCachedModel:
             shared_cache=shared_cache,
             check_memory=check_memory,
             miss_history_tokens=miss_history_tokens,
+            max_cached_states=max_cached_states,
+            snapshot_interval=snapshot_interval,
         )
         self._init(ModelRuntime(model, config, on_unsupported=on_unsupported, hasher=hasher))
 

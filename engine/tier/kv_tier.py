@@ -37,7 +37,7 @@ import torch
 from engine.tier.entry import HEADER, EntryError, TierBinding, decode, encode_into
 from engine.tier.lmdb_store import StoreError
 from prefixcache.core.cache import OutOfBlocks, PrefixCache, RequestHandle
-from prefixcache.core.hashing import TOKEN_DTYPE, chain_hashes, namespace_root, xxh3_hasher
+from prefixcache.core.hashing import TOKEN_DTYPE, extend_block_keys
 from prefixcache.core.tier import TierIndex
 
 log = logging.getLogger("prefixcache.tier")
@@ -246,8 +246,7 @@ class KVTier:
         """``keys`` (the chained block keys of ``tokens``' first blocks in ``namespace``, as the core computes them)
         extended to ``upto`` blocks, returned. Changes ``keys``."""
         b = self.binding
-        extend_keys(keys, tokens, namespace, b.block_size, b.hash_seed, upto)
-        return keys
+        return extend_block_keys(keys, tokens, namespace, b.block_size, b.hash_seed, upto)
 
     def load_after_match(
         self,
@@ -478,17 +477,6 @@ def write_rows(pool: Any, rows: torch.Tensor, block_ids: Sequence[int], binding:
             part = vals[:, at : at + heads * width].reshape(n, heads, width).transpose(0, 1)
             t.index_copy_(1, idx, part)
             at += heads * width
-
-
-def extend_keys(keys: list[bytes], tokens: Tokens, namespace: str, block_size: int, seed: int, upto: int) -> None:
-    """Append to ``keys`` (the chained block keys of ``tokens``' first blocks, as the core computes them) until it
-    has ``upto``. Changes ``keys``."""
-    have = len(keys)
-    if upto <= have:
-        return
-    parent = keys[-1] if keys else namespace_root(namespace, seed)
-    data = np.asarray(tokens[: upto * block_size], dtype=TOKEN_DTYPE).tobytes()
-    keys.extend(chain_hashes(xxh3_hasher(seed), parent, data, block_size, have, upto))
 
 
 def block_tokens(tokens: Tokens, block_size: int, start: int, stop: int) -> list[bytes]:

@@ -217,8 +217,9 @@ class PrefixCache:
         return len(self._live)
 
     # ---- lookups -------------------------------------------------------------------------------------
-    def match(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> MatchResult:
-        """Find and PIN the longest cached prefix of ``tokens``; at least one token is always left uncached.
+    def match(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE, *, max_blocks: int | None = None) -> MatchResult:
+        """Find and PIN the longest cached prefix of ``tokens``, at most ``max_blocks`` blocks (default: all but at
+        least one token, which is always left uncached).
 
         Changes the cache: pins the matched path, refreshes its recency, may split a node, counts stats. The
         request keeps ``tokens`` for ``commit`` without copying it when it already is a contiguous int32 array:
@@ -231,6 +232,8 @@ class PrefixCache:
         check_str(namespace, "namespace")
         bs = self.block_size
         limit = (n - 1) // bs
+        if max_blocks is not None:
+            limit = min(limit, check_int(max_blocks, "max_blocks", minimum=0, type_error=ValueError))
         path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), arr.data.cast("B"), limit)
         return self._finish_match("tokens", namespace, path, arr, n, -(-n // bs), limit, n // bs)
 

@@ -78,6 +78,21 @@ def block_keys(
     return chain_hashes(xxh3_hasher(hash_seed), namespace_root(namespace, hash_seed), data, block_size, 0, n)
 
 
+def extend_block_keys(
+    keys: list[bytes], tokens: Any, namespace: str, block_size: int, seed: int, upto: int
+) -> list[bytes]:
+    """``keys`` (the chained keys of the first full blocks of ``tokens`` in ``namespace``, as ``block_keys`` computes
+    them; possibly none yet) extended to ``upto`` blocks and returned: a request computes its keys once, as far as
+    it needs them. ``tokens``: a sequence of ints or an int array. Changes ``keys``."""
+    have = len(keys)
+    if upto <= have:
+        return keys
+    parent = keys[-1] if keys else namespace_root(namespace, seed)
+    data = np.asarray(tokens[: upto * block_size], dtype=TOKEN_DTYPE).tobytes()
+    keys.extend(chain_hashes(xxh3_hasher(seed), parent, data, block_size, have, upto))
+    return keys
+
+
 def _native(tokens: Any) -> bool:
     """Whether ``tokens`` is already what the cache stores: a 1-D C-contiguous little-endian int32 array."""
     return (

@@ -96,7 +96,7 @@ def generate(
                 m = rt.cache.match(ids, ns)
                 plans.append(None)
             else:  # served up to the deepest snapshot the KV match reaches
-                kv_blocks, keys = rt.cache.probe(ids, ns) // rt.block_size, []
+                kv_blocks, keys = rt.cache.probe(ids, ns) // rt.block_size, list[bytes]()
                 restored, slot = hy.restore_point(keys, ids, ns, kv_blocks)
                 m = rt.cache.match(ids, ns, max_blocks=restored)
                 points = hy.points(

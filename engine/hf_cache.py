@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import (
@@ -36,23 +37,29 @@ try:  # shared-KV / attention-free placeholder layers (transformers >= 5.x)
 except ImportError:  # pragma: no cover - older transformers
     DummyLayer = ()  # type: ignore[assignment,misc]
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import CacheLayerMixin
+
+    CacheLayer = CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer  # what ``Cache.layers`` holds
+
 # model types whose recurrent state lives outside transformers' DynamicCache layers (their own cache classes)
 OWN_STATE_MODEL_TYPES = frozenset({"rwkv", "xlstm", "minimax", "mamba_ssm"})
 
 
-def cache_kwarg(model) -> str:
+def cache_kwarg(model: PreTrainedModel) -> str:
     """Name of the keyword under which ``model.generate`` takes a ready cache."""
     params = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def last_logits_only(model) -> dict:
+def last_logits_only(model: PreTrainedModel) -> dict[str, Any]:
     """Keyword arguments that make a forward compute logits for the last position only, if it can."""
     params = inspect.signature(type(model).forward).parameters
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
-def unsupported_reason(model) -> str | None:
+def unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why ``model`` cannot be prefix-cached exactly, or None. Changes nothing."""
     config = model.config
     model_type = getattr(config, "model_type", "?")
@@ -105,7 +112,7 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _layers_template(model) -> list:
+def _layers_template(model: PreTrainedModel) -> list[CacheLayer]:
     """Fresh cache layers for ``model``: full ``DynamicLayer`` for every attention layer (sliding ones too)."""
     template = DynamicCache(config=model.config.get_text_config(decoder=True))
     return [
@@ -122,7 +129,7 @@ class InPlaceLayer(DynamicLayer):
     """
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # untyped_calls_exclude does not cover super() calls
         self._bufs: tuple[torch.Tensor, torch.Tensor] | None = (key_buffer, value_buffer)
         self.lazy_initialization(key_buffer, value_buffer)
         self._set(length)
@@ -137,9 +144,11 @@ class InPlaceLayer(DynamicLayer):
         """Whether keys/values still live in the buffers."""
         return self._bufs is not None and self.keys is self._views[0] and self.values is self._views[1]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.in_place:
-            assert self._bufs is not None and self.keys is not None
+            assert self._bufs is not None and self.keys is not None and self.values is not None
             kb, vb = self._bufs
             n, m = self.keys.shape[-2], key_states.shape[-2]
             if (
@@ -156,25 +165,29 @@ class InPlaceLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-class InPlaceHybridLayer(LinearAttentionLayer, InPlaceLayer):
+class InPlaceHybridLayer(LinearAttentionLayer, InPlaceLayer):  # type: ignore[misc,override]  # as transformers' own hybrid layer
     """An ``InPlaceLayer`` that also keeps a recurrent state (Falcon-H1's layers run attention and a Mamba mixer
     side by side on one cache layer): K/V in the buffers, the state as a ``LinearAttentionLayer``'s."""
 
-    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int, number_of_states: int):
+    def __init__(
+        self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int, number_of_states: int
+    ) -> None:
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
         InPlaceLayer.__init__(self, key_buffer, value_buffer, length)
 
-    def lazy_initialization(self, *args, **kwargs) -> None:
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
         if len(args) == 2 and not kwargs:  # the attention part (K/V), as transformers' hybrid layer dispatches
             DynamicLayer.lazy_initialization(self, *args)
         else:
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return InPlaceLayer.update(self, key_states, value_states, *args, **kwargs)
 
 
-def buffer_cache(model, buffers: Sequence[LayerKV | None], length: int) -> DynamicCache:
+def buffer_cache(model: PreTrainedModel, buffers: Sequence[LayerKV | None], length: int) -> DynamicCache:
     """A NEW DynamicCache whose attention layers are ``InPlaceLayer``s over ``buffers`` (per layer K and V
     ``[batch, heads, capacity, dim]``, e.g. ``KVPool.buffers``), holding their first ``length`` positions; a hybrid
     model's recurrent layers are the template's (fresh, no state)."""
@@ -202,7 +215,7 @@ def settle(cache: DynamicCache, buffers: Sequence[LayerKV | None], length: int) 
         bufs[1][:, :, :length].copy_(values[:, :, :length])
 
 
-def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None) -> DynamicCache:
+def fresh_cache(model: PreTrainedModel, prefix_kv: Sequence[LayerKV | None] | None = None) -> DynamicCache:
     """A NEW DynamicCache of full-length layers, holding ``prefix_kv`` (per layer, or None for empty).
 
     The given tensors become the layers' storage (no copy): pass tensors nobody else writes to.
@@ -219,7 +232,7 @@ def fresh_cache(model, prefix_kv: Sequence[LayerKV | None] | None = None) -> Dyn
     return cache
 
 
-def probe_specs(model) -> list[LayerSpec | None]:
+def probe_specs(model: PreTrainedModel) -> list[LayerSpec | None]:
     """Per-layer K/V shapes, found by running ``model`` on one token. Changes nothing (no grad, eval-time)."""
     cache = fresh_cache(model)
     ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
@@ -234,12 +247,12 @@ def probe_specs(model) -> list[LayerSpec | None]:
     return specs
 
 
-def seq_length(cache) -> int:
+def seq_length(cache: DynamicCache) -> int:
     """Tokens of KV the cache holds (full-length layers)."""
     return int(cache.get_seq_length())
 
 
-def read_kv(cache, start: int, stop: int, row: int = 0) -> list[LayerKV | None]:
+def read_kv(cache: DynamicCache, start: int, stop: int, row: int = 0) -> list[LayerKV | None]:
     """Per-layer views of K/V for token positions ``start:stop`` of batch row ``row``. Changes nothing."""
     out: list[LayerKV | None] = []
     for layer in cache.layers:
@@ -248,7 +261,7 @@ def read_kv(cache, start: int, stop: int, row: int = 0) -> list[LayerKV | None]:
     return out
 
 
-def _held_kv(layer) -> LayerKV | None:
+def _held_kv(layer: Any) -> LayerKV | None:  # any ``CacheLayer`` (or a custom layer class): probed by attribute
     """A cache layer's K, V tensors, or None for a layer that holds none (shared / attention-free / empty)."""
     keys = getattr(layer, "keys", None)
     if keys is None or not getattr(layer, "is_initialized", False) or keys.numel() == 0:

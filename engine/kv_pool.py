@@ -207,7 +207,7 @@ class KVPool:
                     dst[:, first : first + count].copy_(part.reshape(heads, count, width))
 
 
-def _plain_tensors():
+def _plain_tensors() -> torch.inference_mode:
     """Pool tensors must be normal tensors (not inference tensors), whatever mode the caller runs in."""
     return torch.inference_mode(False)
 

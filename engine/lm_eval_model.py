@@ -36,7 +36,7 @@ DEFAULT_BLOCK_SIZE = 4  # a request recomputes up to block_size - 1 cached conte
 
 
 @register_model("prefixcache")
-class PrefixCacheLM(HFLM):
+class PrefixCacheLM(HFLM):  # type: ignore[misc]  # lm-eval is untyped: HFLM is Any to mypy
     """HFLM over a ``PrefixCachedModel``. ``pretrained``: a local model directory (loaded as HFLM loads it, local
     files only) or a built-in preset ("tiny", "small"; ``seed`` seeds its weights). The cache: a KV pool of
     ``max_cached_tokens`` (or ``max_cached_bytes``) in blocks of ``block_size`` tokens, preallocated on the model's
@@ -133,7 +133,7 @@ class PrefixCacheLM(HFLM):
             out.append(answer)
         return out
 
-    def get_model_info(self) -> dict:
+    def get_model_info(self) -> dict[str, Any]:
         """HFLM's model info without asking the Hub for a revision hash (local files only), plus the cache's
         settings."""
         model = self.prefix_cached.model

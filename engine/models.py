@@ -9,9 +9,22 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import (
+        GenerationMixin,
+        LlamaForCausalLM,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """(Types only.) A model with ``generate``, as ``AutoModelForCausalLM`` loads one."""
+
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 CHAT_TEMPLATE = (
@@ -56,7 +69,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def byte_tokenizer():
+def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level ``PreTrainedTokenizerFast``: ids 0-255 are bytes, then the special tokens; a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -96,7 +109,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0):
+def build_preset(
+    name: str, *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """A preset model with seeded random weights (the global RNG is left untouched) and its tokenizer."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -124,7 +139,9 @@ def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device: Any =
     return model, tokenizer
 
 
-def load_model(name_or_path: str, *, dtype: Any = None, device: Any = None, seed: int = 0):
+def load_model(
+    name_or_path: str, *, dtype: Any = None, device: Any = None, seed: int = 0
+) -> tuple[LlamaForCausalLM | CausalLM, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` for a preset name (see ``PRESETS``) or a local HF model directory.
 
     Never downloads: a path is loaded with ``local_files_only=True``. ``dtype`` defaults to float32,

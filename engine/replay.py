@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -83,7 +83,9 @@ class HFRenderer:
         return list(out)
 
 
-def _timed_generate(fn: Callable, ids: torch.Tensor, kwargs: dict) -> tuple[list[int], float, float]:
+def _timed_generate(
+    fn: Callable[..., Any], ids: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[list[int], float, float]:
     streamer = TTFTStreamer()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -127,9 +129,9 @@ def replay(
     on_start: Callable[[Capacity, int], None] | None = None,
     on_row: Callable[[Row, Any], None] | None = None,
     sites: list[DivergenceSite] | None = None,
-    disk_cache: str | os.PathLike | None = None,
+    disk_cache: str | os.PathLike[str] | None = None,
     max_disk_bytes: int | str | None = None,
-) -> tuple[list[RunResult], dict]:
+) -> tuple[list[RunResult], dict[str, Any]]:
     """Replay ``scenario`` once per capacity through ``model`` (preset or local path; or ``loaded`` =
     (model, tokenizer)). Returns the per-capacity results and facts about the model for the run record; rows
     carry their miss causes (from the wrapper's ``last_request_stats``). ``sites``, when given, receives the
@@ -155,7 +157,7 @@ def replay(
         gen["suppress_tokens"] = _ascii_only(tokenizer)
     max_pos = getattr(hf_model.config, "max_position_embeddings", None)
     vocab = hf_model.config.vocab_size
-    info = {
+    info: dict[str, Any] = {
         "model_class": type(hf_model).__name__,
         "dtype": str(next(hf_model.parameters()).dtype).removeprefix("torch."),
         "device": str(next(hf_model.parameters()).device),
@@ -216,7 +218,8 @@ def replay(
         if res.partial:
             break
     if sites is not None and results:
-        sites += divergence_sites(results[0].rows, forks, lambda ids: tokenizer.decode(list(ids)), TOP_SITES)
+        # a tokenizer decodes one id list to one str (transformers annotates decode as str | list[str])
+        sites += divergence_sites(results[0].rows, forks, lambda ids: cast(str, tokenizer.decode(list(ids))), TOP_SITES)
     return results, info
 
 
@@ -229,7 +232,7 @@ def _warm_up(
     scenario: Scenario,
     hf_model: Any,
     renderer: HFRenderer,
-    gen: dict,
+    gen: dict[str, Any],
     block_size: int,
     eviction: str,
     max_pos: int | None,
@@ -272,7 +275,7 @@ def _replay_one(
     hf_model: Any,
     tokenizer: Any,
     renderer: HFRenderer,
-    gen: dict,
+    gen: dict[str, Any],
     nb: int,
     bs: int,
     warmup: float,

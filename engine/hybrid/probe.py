@@ -9,6 +9,7 @@ recurrent modules fed such inputs one token at a time; a model that is exact nei
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel
 
 from engine.hybrid import recurrent
 from engine.hybrid.states import StateSpec, spec_of
@@ -24,7 +25,7 @@ def tolerance(model: torch.nn.Module) -> float:
     return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-3
 
 
-def probe_spec(model: torch.nn.Module) -> StateSpec:
+def probe_spec(model: PreTrainedModel) -> StateSpec:
     """The state of one sequence of ``model``, found by a two-token forward. Changes nothing."""
     cache = recurrent.fresh_template(model)
     ids = torch.zeros((1, 2), dtype=torch.long, device=_device(model))
@@ -33,11 +34,11 @@ def probe_spec(model: torch.nn.Module) -> StateSpec:
     return spec_of(cache)
 
 
-def chunked_difference(model: torch.nn.Module, *, tokenwise: bool, seed: int = 0) -> float:
+def chunked_difference(model: PreTrainedModel, *, tokenwise: bool, seed: int = 0) -> float:
     """Max |logit difference| between one forward over a random prompt and the same prompt in two chunks (the
     second from the state the first left; ``tokenwise``: inside ``recurrent.stepwise``), relative to the logits'
     scale. Changes nothing (the modules must be installed for ``tokenwise`` to matter)."""
-    vocab = int(model.config.get_text_config(decoder=True).vocab_size)  # type: ignore[operator]
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     gen = torch.Generator().manual_seed(seed)
     device = _device(model)
     ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=gen).to(device)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
 from engine.hybrid.states import SlotCache, StatePool
@@ -72,12 +73,14 @@ def find_modules(model: torch.nn.Module, layers: list[int]) -> dict[int, torch.n
 
 def install(modules: dict[int, torch.nn.Module], *, tokenwise: bool) -> None:
     """Wrap each module's forward (once; ``tokenwise`` is updated on later calls). Outside ``segments`` and
-    ``stepwise`` the wrapper calls the original forward unchanged. Changes the module instances."""
+    ``stepwise`` the wrapper calls the original forward unchanged. Changes the module instances (instance
+    attributes ``_prefixcache_forward`` and ``_prefixcache_tokenwise``; torch's ``Module.__setattr__`` takes them)."""
     for module in modules.values():
-        if not hasattr(module, "_prefixcache_forward"):
-            module._prefixcache_forward = module.forward  # type: ignore[assignment]
-            module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
-        module._prefixcache_tokenwise = tokenwise  # type: ignore[assignment]
+        target: Any = module
+        if not hasattr(target, "_prefixcache_forward"):
+            target._prefixcache_forward = target.forward
+            target.forward = types.MethodType(_forward, target)
+        target._prefixcache_tokenwise = tokenwise
 
 
 @contextmanager
@@ -101,13 +104,15 @@ def stepwise() -> Iterator[None]:
         _stepwise.reset(token)
 
 
-def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
-    original = self._prefixcache_forward  # type: ignore[attr-defined]
+def _forward(self: Any, hidden_states: torch.Tensor, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """The wrapped forward of a recurrent module (``self``: the module, typed Any for the attributes ``install``
+    gave it)."""
+    original = self._prefixcache_forward
     step = _step.get()
     if step is None:
-        if _stepwise.get() and self._prefixcache_tokenwise and _has_state(cache, self.layer_idx):  # type: ignore[attr-defined]
+        if _stepwise.get() and self._prefixcache_tokenwise and _has_state(cache, self.layer_idx):
             return _tokenwise(original, hidden_states, cache, args, kwargs)
-        return original(hidden_states, cache, *args, **kwargs)
+        return original(hidden_states, *args, cache=cache, **kwargs)
     return _run_step(self, original, step, hidden_states, kwargs)
 
 
@@ -121,22 +126,21 @@ def _has_state(cache: Any, layer_idx: int) -> bool:
 
 def _tokenwise(original: Any, hidden: torch.Tensor, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if hidden.shape[1] == 1:
-        return original(hidden, cache, *args, **kwargs)
+        return original(hidden, *args, cache=cache, **kwargs)
     kwargs = {**kwargs, "attention_mask": None}
-    return torch.cat([original(hidden[:, t : t + 1], cache, *args, **kwargs) for t in range(hidden.shape[1])], dim=1)
+    steps = [original(hidden[:, t : t + 1], *args, cache=cache, **kwargs) for t in range(hidden.shape[1])]
+    return torch.cat(steps, dim=1)
 
 
-def _run_step(
-    module: torch.nn.Module, original: Any, step: _Step, hidden: torch.Tensor, kwargs: dict[str, Any]
-) -> torch.Tensor:
+def _run_step(module: Any, original: Any, step: _Step, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     """The flat batch ``hidden`` [1, T, H] through ``original``, segment by segment (decode rows batched)."""
-    i = int(module.layer_idx)  # type: ignore[arg-type]
+    i = int(module.layer_idx)
     pool, n = step.pool, step.num_layers
     states = pool.spec.states[pool.spec.layers.index(i)]
     kwargs = {**kwargs, "attention_mask": None}
     out = torch.empty_like(hidden)
     decode = [s for s in step.segments if s.length == 1 and s.has_state]
-    tokenwise = bool(module._prefixcache_tokenwise)  # type: ignore[attr-defined]
+    tokenwise = bool(module._prefixcache_tokenwise)
     for s in step.segments:
         if s.length == 1 and s.has_state:
             continue
@@ -149,7 +153,7 @@ def _run_step(
         if tokenwise and s.has_state:
             res = _tokenwise(original, piece, cache, (), kwargs)
         else:
-            res = original(piece, cache, **kwargs)
+            res = original(piece, cache=cache, **kwargs)
         out[:, s.start : s.start + s.length] = res
         pool.store_layer(layer, i, s.slot)
     if decode:
@@ -157,13 +161,13 @@ def _run_step(
         layer = pool.view_layer(i, slots, states)  # a gathered copy of the rows' states
         cache = SlotCache(n, i, layer)
         rows = torch.cat([hidden[:, s.start : s.start + 1] for s in decode], dim=0)  # [B, 1, H]
-        res = original(rows, cache, **kwargs)
+        res = original(rows, cache=cache, **kwargs)
         for b, s in enumerate(decode):
             out[:, s.start : s.start + 1] = res[b : b + 1]
         pool.store_layer(layer, i, slots)
     return out
 
 
-def fresh_template(model: torch.nn.Module) -> DynamicCache:
+def fresh_template(model: PreTrainedModel) -> DynamicCache:
     """A fresh ``DynamicCache`` of the model's own layer types. Changes nothing."""
-    return DynamicCache(config=model.config.get_text_config(decoder=True))  # type: ignore[operator]
+    return DynamicCache(config=model.config.get_text_config(decoder=True))

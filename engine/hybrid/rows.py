@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria
+from transformers import PreTrainedModel, StoppingCriteria
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
 from engine.hybrid import recurrent
+from engine.hybrid.states import placed
 from engine.hybrid.store import HybridStates
 
 
@@ -36,7 +37,7 @@ class HybridRow:
 
 
 def prefill(
-    rt_model: torch.nn.Module,
+    rt_model: PreTrainedModel,
     hy: HybridStates,
     cache: DynamicCache,
     tokens: torch.Tensor,
@@ -72,7 +73,7 @@ def prefill(
             row.published.append(b)
 
 
-def stack_states(hy: HybridStates, cache: DynamicCache, row_caches: list[DynamicCache], copies: int) -> None:
+def stack_states(hy: HybridStates, cache: DynamicCache, row_caches: list[DynamicCache | None], copies: int) -> None:
     """Give ``cache`` (the batch's) the recurrent state of every row (row r of ``row_caches``, ``copies`` times in a
     row, as ``num_return_sequences`` expands the batch). A row that computed nothing (a one-token prompt) joins with
     a zero state. Changes ``cache``."""
@@ -87,6 +88,7 @@ def stack_states(hy: HybridStates, cache: DynamicCache, row_caches: list[Dynamic
                     continue
                 rows = []
                 for rc in row_caches:
+                    assert rc is not None, "a hybrid row always has its own cache"
                     layer = rc.layers[i]
                     assert isinstance(layer, LinearAttentionCacheLayerMixin)
                     held = (layer.conv_states if kind == "conv" else layer.recurrent_states).get(j)
@@ -100,7 +102,7 @@ def stack_states(hy: HybridStates, cache: DynamicCache, row_caches: list[Dynamic
                     target.conv_states[j] = stacked
                     target.is_conv_states_initialized[j] = True
                     target.conv_kernel_size[j] = hy.pool.kernel(i, j)
-                    target.device, target.dtype = stacked.device, stacked.dtype
+                    placed(target, stacked)
                 else:
                     target.recurrent_states[j] = stacked
                     target.is_recurrent_states_initialized[j] = True

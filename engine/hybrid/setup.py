@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from transformers import PreTrainedModel
 
 from engine.errors import UnsupportedModelError
 from engine.hybrid import probe, recurrent
@@ -12,7 +12,7 @@ DEFAULT_MAX_CACHED_STATES = 64  # snapshots a hybrid model's state pool holds wh
 
 
 def open_hybrid(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     *,
     live: int,
     snapshots: int | None,

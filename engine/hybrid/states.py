@@ -74,6 +74,7 @@ def spec_of(cache: DynamicCache) -> StateSpec:
     counts: list[int] = []
     for i in recurrent_layers(cache):
         layer = cache.layers[i]
+        assert isinstance(layer, LinearAttentionCacheLayerMixin)
         layers.append(i)
         counts.append(layer.number_of_states)
         for j in range(layer.number_of_states):
@@ -136,7 +137,7 @@ class StatePool:
                 layer.conv_states[j] = _rows(conv, slots)
                 layer.is_conv_states_initialized[j] = True
                 layer.conv_kernel_size[j] = self._kernels[(layer_idx, j)]
-                layer.device, layer.dtype = conv.device, conv.dtype
+                placed(layer, conv)
             rec = self.tensors.get((layer_idx, j, "recurrent"))
             if rec is not None:
                 layer.recurrent_states[j] = _rows(rec, slots)
@@ -175,7 +176,7 @@ class StatePool:
                     layer.conv_states[j] = conv[slot : slot + 1].clone()
                     layer.is_conv_states_initialized[j] = True
                     layer.conv_kernel_size[j] = self._kernels[(i, j)]
-                    layer.device, layer.dtype = conv.device, conv.dtype
+                    placed(layer, conv)
                 rec = self.tensors.get((i, j, "recurrent"))
                 if rec is not None:
                     layer.recurrent_states[j] = rec[slot : slot + 1].clone()
@@ -200,8 +201,15 @@ class SlotCache(DynamicCache):
 
     def __init__(self, num_layers: int, layer_idx: int, layer: LinearAttentionLayer) -> None:
         super().__init__()
-        self.layers = [DummyLayer() for _ in range(num_layers)]  # type: ignore[misc]
+        self.layers = [DummyLayer() for _ in range(num_layers)]
         self.layers[layer_idx] = layer
+
+
+def placed(layer: LinearAttentionCacheLayerMixin, tensor: torch.Tensor) -> None:
+    """Record on ``layer`` the device and dtype of the conv state ``tensor`` it now holds, as its lazy
+    initialisation would (transformers annotates these attributes as None). Changes ``layer``."""
+    setattr(layer, "device", tensor.device)  # noqa: B010
+    setattr(layer, "dtype", tensor.dtype)  # noqa: B010
 
 
 def _rows(pool: torch.Tensor, slots: int | Sequence[int]) -> torch.Tensor:

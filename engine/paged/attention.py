@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,9 @@ class PagedKV:
     def __init__(self, batch: StepBatch) -> None:
         self.batch = batch
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new keys and values ([1, heads, T, dim]) into the pool at the batch's slots."""
         b = self.batch
         pair = b.pool.layer(layer_idx)
@@ -180,7 +183,7 @@ def paged_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: attention of the step's queries ([1, Hq, T, D]) over every row's keys
     and values in the pool. Returns [1, T, Hq, D] (as transformers' attention functions do)."""
@@ -209,9 +212,20 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def _kernel_attention(b, q, kpool, vpool, hkv, scale, cap, window, out) -> None:
+def _kernel_attention(
+    b: StepBatch,
+    q: torch.Tensor,
+    kpool: torch.Tensor,
+    vpool: torch.Tensor,
+    hkv: int,
+    scale: float,
+    cap: float,
+    window: int,
+    out: torch.Tensor,
+) -> None:
     lib = kernel.load()
     assert lib is not None and b.tables is not None
+    assert b.q_start is not None and b.q_len is not None and b.kv_len is not None  # set with b.tables
     qf = q if q.dtype == torch.float32 else q.float()
     if qf.stride(2) != 1:
         qf = qf.contiguous()
@@ -253,7 +267,18 @@ def _gather(pool_side: torch.Tensor, blocks: Sequence[int], length: int, block_s
     return got[:, :length]
 
 
-def _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out) -> None:
+def _torch_attention(
+    b: StepBatch,
+    i: int,
+    q: torch.Tensor,
+    kpool: torch.Tensor,
+    vpool: torch.Tensor,
+    hkv: int,
+    scale: float,
+    cap: float,
+    window: int,
+    out: torch.Tensor,
+) -> None:
     r = b.rows[i]
     bs = b.pool.block_size
     k = _gather(kpool, r.blocks, r.kv_len, bs)

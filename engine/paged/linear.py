@@ -11,15 +11,19 @@ stale: call ``repack()`` (the engine does when the wrapper notices a weight chan
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PACK_HINT = 16  # the batch size oneDNN picks the packed layout for (any batch size works with it)
 
 
-def available(model) -> str | None:
+def available(model: PreTrainedModel) -> str | None:
     """None when the model's linears can be packed here, else why not."""
     if torch.device(model.device).type != "cpu":
         return "not on the CPU"
@@ -32,12 +36,12 @@ def available(model) -> str | None:
     return None
 
 
-def linears(model) -> list[torch.nn.Linear]:
+def linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The model's ``nn.Linear`` modules (exactly that class: subclasses may compute otherwise)."""
     return [m for m in model.modules() if type(m) is torch.nn.Linear]
 
 
-def weight_bytes(model) -> int:
+def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights ``PackedLinears`` would copy."""
     return sum(m.weight.numel() * m.weight.element_size() for m in linears(model))
 
@@ -45,7 +49,7 @@ def weight_bytes(model) -> int:
 class PackedLinears:
     """Packed copies of the weights of every ``nn.Linear`` of ``model`` (see the module docstring)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._linears = linears(model)
         self._packed: list[torch.Tensor] = []
@@ -67,19 +71,19 @@ class PackedLinears:
         """Inside, the linears compute through their packed weights."""
         try:
             for m, w in zip(self._linears, self._packed):
-                m.forward = _packed_forward(w, m.bias)  # type: ignore[method-assign]
+                m.forward = _packed_forward(w, m.bias)  # type: ignore[method-assign,assignment]  # instance attr over the method
             yield
         finally:
             for m in self._linears:
                 m.__dict__.pop("forward", None)
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     linear = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = linear(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
+        y: torch.Tensor = linear(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
         return y.view(*shape[:-1], y.shape[-1])
 
     return forward

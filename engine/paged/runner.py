@@ -16,7 +16,7 @@ import inspect
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface
@@ -24,6 +24,9 @@ from transformers import AttentionInterface
 from engine import hf_cache
 from engine.kv_pool import KVPool
 from engine.paged.attention import ATTENTION_NAME, PagedKV, Row, StepBatch, paged_attention, use_batch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 PROBE_TOLERANCE = 1e-3  # max |logit difference| of the probe forward, relative to the logits' scale
 _registered = threading.Lock()
@@ -34,7 +37,7 @@ class PagedRunner:
     """Runs ``StepBatch``es of ``model`` over ``pool`` (the pool's layers must be the model's). Not thread-safe:
     one forward at a time (the engine's loop)."""
 
-    def __init__(self, model, pool: KVPool, *, use_kernel: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, pool: KVPool, *, use_kernel: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.use_kernel = use_kernel and all(s is None or s.k_shape == s.v_shape for s in pool.specs)
@@ -58,7 +61,7 @@ class PagedRunner:
             kwargs["logits_to_keep"] = at
         with torch.inference_mode(), use_batch(batch), self._switched():
             out = self.model(input_ids=ids, position_ids=batch.positions.unsqueeze(0), use_cache=True, **kwargs)
-        logits = out.logits[0]
+        logits: torch.Tensor = out.logits[0]
         return logits if self._keep_param else logits[at]
 
     @contextmanager
@@ -74,9 +77,9 @@ class PagedRunner:
                 cfg._attn_implementation_internal = name
 
 
-def _attention_configs(model) -> list:
+def _attention_configs(model: torch.nn.Module) -> list[PretrainedConfig]:
     """Every distinct config object the model's modules read their attention implementation from."""
-    seen: dict[int, object] = {}
+    seen: dict[int, PretrainedConfig] = {}
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
@@ -84,7 +87,7 @@ def _attention_configs(model) -> list:
     return list(seen.values())
 
 
-def paged_unsupported_reason(model, pool: KVPool) -> str | None:
+def paged_unsupported_reason(model: PreTrainedModel, pool: KVPool) -> str | None:
     """Why ``model`` cannot run on the paged path exactly, or None. Runs a small probe forward both ways (two
     chunks through the pool against one plain forward); changes no cached block (it uses the pool's last
     blocks and leaves garbage there only in blocks nobody owns... see ``probe_blocks``)."""
@@ -102,7 +105,9 @@ def paged_unsupported_reason(model, pool: KVPool) -> str | None:
     return None
 
 
-def probe_difference(model, pool: KVPool, blocks: Sequence[int], *, use_kernel: bool = True, seed: int = 0) -> float:
+def probe_difference(
+    model: PreTrainedModel, pool: KVPool, blocks: Sequence[int], *, use_kernel: bool = True, seed: int = 0
+) -> float:
     """Max |logit difference| between the paged path (the probe prompt in two chunks, KV in ``blocks`` of the
     pool, which the caller owns and may find overwritten) and one plain forward, relative to the logits' scale."""
     bs = pool.block_size

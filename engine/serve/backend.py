@@ -77,7 +77,7 @@ def describe_model(model: str) -> ModelInfo:
 
     if model in PRESETS:
         p = PRESETS[model]
-        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0)  # type: ignore[no-untyped-call]
+        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(model, local_files_only=True)
@@ -85,7 +85,7 @@ def describe_model(model: str) -> ModelInfo:
     try:
         gc = GenerationConfig.from_pretrained(model, local_files_only=True)
     except OSError:  # no generation_config.json: transformers' defaults (greedy)
-        gc = GenerationConfig()  # type: ignore[no-untyped-call]
+        gc = GenerationConfig()
     temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
     return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature)
 

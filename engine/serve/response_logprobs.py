@@ -59,7 +59,9 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Any, generated: Sequence[int], sampled: Sequence[tuple[float, dict[int, float]]]) -> dict:
+def chat_logprobs(
+    tokenizer: Any, generated: Sequence[int], sampled: Sequence[tuple[float, dict[int, float]]]
+) -> dict[str, Any]:
     """The chat ``logprobs`` object of one choice."""
     content = []
     for tok, (lp, alt) in zip(generated, sampled):

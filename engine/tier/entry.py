@@ -14,8 +14,12 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
+
+if TYPE_CHECKING:
+    from engine.kv_pool import LayerSpec
 
 MAGIC = b"PCKV"
 VERSION = 1
@@ -124,6 +128,6 @@ def stamp(raw: bytes | memoryview) -> int:
         return 0
 
 
-def layers_of(specs: Sequence) -> tuple[tuple[int, int, int, int] | None, ...]:
+def layers_of(specs: Sequence[LayerSpec | None]) -> tuple[tuple[int, int, int, int] | None, ...]:
     """``TierBinding.layers`` from the pool's ``LayerSpec`` s."""
     return tuple(None if s is None else (*s.k_shape, *s.v_shape) for s in specs)

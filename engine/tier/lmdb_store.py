@@ -35,7 +35,7 @@ class LmdbStore:
 
     shared = False
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int) -> None:
         self.path = Path(path)
         self.name = f"disk cache {self.path}"
         try:

@@ -45,7 +45,7 @@ def binding_for(model: Any, fingerprint: str, specs: Any, block_size: int, hash_
 def open_tier(
     binding: TierBinding,
     *,
-    disk_cache: str | os.PathLike | None = None,
+    disk_cache: str | os.PathLike[str] | None = None,
     max_disk_bytes: int | str | None = None,
     shared_cache: str | None = None,
 ) -> KVTier | None:

@@ -345,6 +345,7 @@ class ModelRuntime:
                         eos_token_ids=eos_ids(self.model.generation_config),
                         linears=self._packed(),
                         tier=self.tier,
+                        hybrid=self.hybrid,
                     )
             return self._engine
 
@@ -357,12 +358,17 @@ class ModelRuntime:
         """Why the model cannot run on the paged engine exactly (a probe forward compared with its own), or None."""
         if self.pool is None:
             return f"model not cacheable: {self.unsupported_reason}"
-        if self.hybrid is not None:
-            return "a hybrid model (recurrent layers) runs on the contiguous path"
         reason = paged_unsupported_reason(self.model, self.pool)
         if reason is None:
-            with self.cache.borrowed_blocks(min(4, self.cache.num_blocks)) as blocks:
-                diff = probe_difference(self.model, self.pool, blocks)
+            hy = self.hybrid
+            slot = None if hy is None else hy.take_live()
+            try:
+                with self.cache.borrowed_blocks(min(4, self.cache.num_blocks)) as blocks:
+                    states = None if hy is None else hy.pool
+                    diff = probe_difference(self.model, self.pool, blocks, states=states, slot=slot or 0)
+            finally:
+                if hy is not None and slot is not None:
+                    hy.give_back(slot)
             if diff > PROBE_TOLERANCE:
                 reason = f"its paged forward's logits differ from its own by {diff:.1e} (relative)"
         return reason

@@ -33,6 +33,8 @@ from engine.batching.logprob_store import TOP, PromptLogprobStore
 from engine.batching.request import Request, RequestResult, Status
 from engine.batching.sampling import sample
 from engine.batching.scheduler import Plan, Scheduler, SchedulerConfig
+from engine.hybrid.recurrent import Segment
+from engine.hybrid.store import HybridStates
 from engine.kv_pool import KVPool
 from engine.paged.attention import Row
 from engine.paged.runner import PagedRunner
@@ -80,6 +82,7 @@ class Engine:
         use_kernel: bool = True,
         linears: Any = None,
         tier: KVTier | None = None,
+        hybrid: HybridStates | None = None,
     ) -> None:
         if cache.block_size != pool.block_size or cache.num_blocks != pool.num_blocks:
             raise ValueError("the cache and the pool disagree on block size or number of blocks")
@@ -88,10 +91,11 @@ class Engine:
         self.pool = pool
         self.config = config or SchedulerConfig()
         self.eos = frozenset(eos_token_ids)
-        self.runner = PagedRunner(model, pool, use_kernel=use_kernel)
+        self.runner = PagedRunner(model, pool, use_kernel=use_kernel, states=None if hybrid is None else hybrid.pool)
         self.linears = linears  # PackedLinears or None
         self.tier = tier  # the second tier below the pool, or None
-        self.scheduler = Scheduler(cache, self.config, self._preempt, self._admitted)
+        self.hybrid = hybrid  # a hybrid model's recurrent states (engine.hybrid), or None
+        self.scheduler = Scheduler(cache, self.config, self._preempt, self._admitted, hybrid)
         self.logprob_store = PromptLogprobStore(cache.block_size, pool.num_blocks, cache.config.hash_seed)
         self.stats = EngineStats()
         self.vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -113,6 +117,8 @@ class Engine:
             )
         if req.params is not None:
             req.generator = req.params.generator(self.pool.device)
+        if self.hybrid is not None:  # prompt log-probs come from a recomputation (no state at arbitrary positions)
+            req.use_logprob_store = False
         with self._incoming_lock:
             self._incoming.append(req)
         self.wakeup.set()
@@ -186,9 +192,12 @@ class Engine:
         at: list[int] = []
         spans: list[tuple[int, int, int]] = []
         q = 0
+        segments: list[Segment] = []
         for req, n in plan.work:
             start, stop = req.computed, req.computed + n
             rows.append(Row(q, n, stop, req.table, req.fresh_from))
+            if req.state_slot is not None:
+                segments.append(Segment(q, n, req.state_slot, req.has_state))
             ids.extend(req.tokens[start:stop])
             first = len(at)
             if req.score_from:  # logits of the scored positions that fall in this chunk
@@ -206,9 +215,9 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.long, device=device)
         if self.linears is not None:
             with self.linears.active():
-                logits = self.runner.forward(batch, tokens, idx)
+                logits = self.runner.forward(batch, tokens, idx, segments)
         else:
-            logits = self.runner.forward(batch, tokens, idx)
+            logits = self.runner.forward(batch, tokens, idx, segments)
         return logits.float(), spans, batch.attention_s
 
     def _advance(self, plan: Plan, logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
@@ -222,6 +231,7 @@ class Engine:
             else:
                 s.decode_tokens += n
             req.computed += n
+            req.has_state = req.state_slot is not None
             try:
                 if scored:
                     self._score(req, logits[first : first + scored])
@@ -249,6 +259,7 @@ class Engine:
                 continue
             try:
                 self._cache_blocks(req)
+                self._keep_state(req)
                 reason = self._done(req)
             except Exception as exc:
                 self._fail(req, exc)
@@ -368,7 +379,31 @@ class Engine:
         req.committed = len(res.table)
         if self.tier is not None:  # the path the pool holds (its new blocks written, the rest refreshed)
             start = len(res.table) - res.adopted
-            self.tier.save_path(self.pool, req.tokens, req.namespace, req.tier_keys, start, res.table[start:])
+            self.tier.save_path(self.pool, req.tokens, req.namespace, req.block_keys, start, res.table[start:])
+
+    def _keep_state(self, req: Request) -> None:
+        """A hybrid request that ends a step on a block boundary whose blocks are cached keeps its state there as a
+        snapshot (``prefixcache.core.snapshots``): a kept point stays; otherwise it is the request's latest, which
+        supersedes (drops) its previous latest; the last one is the request-end snapshot."""
+        hy = self.hybrid
+        if hy is None or req.state_slot is None:
+            return
+        bs, c = self.cache.block_size, req.computed
+        b = c // bs
+        if c % bs or b == 0 or b > req.committed or b == req.state_latest:
+            return
+        keys = hy.keys(req.block_keys, req.tokens, req.namespace, b)
+        hy.publish_slot(keys[b - 1], req.state_slot)
+        prev = req.state_latest
+        if prev and prev not in req.state_points:
+            hy.drop(keys[prev - 1])
+        req.state_latest = b
+
+    def _release_state(self, req: Request) -> None:
+        """Give back a hybrid request's live state slot (it ended, or was preempted: it restores on resume)."""
+        if self.hybrid is not None and req.state_slot is not None:
+            self.hybrid.give_back(req.state_slot)
+        req.state_slot, req.has_state = None, False
 
     def _from_tier(self, req: Request) -> None:
         """Load the blocks after ``req``'s match that the tier holds into the pool (``KVTier.load_after_match``);
@@ -376,7 +411,7 @@ class Engine:
         assert self.tier is not None and req.handle is not None
         limit = (req.cache_limit - 1) // self.cache.block_size
         ids = self.tier.load_after_match(
-            self.cache, self.pool, req.handle, req.tokens, req.tier_keys, req.table[: req.committed], limit
+            self.cache, self.pool, req.handle, req.tokens, req.block_keys, req.table[: req.committed], limit
         )
         if ids:
             req.table.extend(ids)
@@ -393,6 +428,7 @@ class Engine:
             log.warning("prefixcache engine: caching preempted request %s's blocks failed: %r", req.id, exc)
         if req.handle is not None and not req.handle.released:
             self.cache.release(req.handle)
+        self._release_state(req)
         req.handle, req.table, req.computed, req.committed = None, [], 0, 0
         req.logprobs.clear()  # recomputed on resume (generated tokens and their log-probs stay)
         req.greedy.clear()
@@ -416,6 +452,7 @@ class Engine:
         finally:
             if req.handle is not None and not req.handle.released:
                 self.cache.release(req.handle)
+            self._release_state(req)
             req.handle = None
             req.status = Status.FINISHED
             self.scheduler.finish(req)

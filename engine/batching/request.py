@@ -79,7 +79,12 @@ class Request:
     committed: int = 0  # leading full blocks in the tree (by id: table[:committed] are the tree's)
     cached_tokens: int = -1  # served from cache at first admission, the tier's included (-1: not yet admitted)
     tier_tokens: int = 0  # of those served at the last admission, the tier's
-    tier_keys: list[bytes] = field(default_factory=list, repr=False)  # chained block keys computed so far
+    block_keys: list[bytes] = field(default_factory=list, repr=False)  # chained block keys computed so far
+    snapshot_hints: tuple[int, ...] = ()  # hybrid models: token positions where prefixes diverge (message ends)
+    state_slot: int | None = None  # hybrid models: the live recurrent-state slot while running
+    has_state: bool = False  # that slot holds the state after ``computed`` tokens (else the request starts fresh)
+    state_points: list[int] = field(default_factory=list)  # block boundaries to keep snapshots at
+    state_latest: int = 0  # the boundary of its latest snapshot (superseded ones are dropped unless kept)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     greedy: list[bool] = field(default_factory=list)

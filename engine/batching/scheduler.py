@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.batching.request import Request, Status
-from prefixcache.core.cache import OutOfBlocks, PrefixCache
+from engine.hybrid.store import HybridStates
+from prefixcache.core.cache import MatchResult, OutOfBlocks, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ class Scheduler:
         config: SchedulerConfig,
         preempt: Callable[[Request], None],
         admitted: Callable[[Request], None] = lambda req: None,
+        hybrid: HybridStates | None = None,
     ) -> None:
         self.cache = cache
+        self.hybrid = hybrid  # a hybrid model's states: admission restores a snapshot into a live slot
         self.config = config
         self.block_size = cache.block_size
         self._preempt = preempt  # caches a request's computed blocks and releases it (the engine's)
@@ -91,7 +94,7 @@ class Scheduler:
         for req in order:
             if req.status is not Status.RUNNING:  # preempted while planning this step
                 continue
-            n = 1 if req.remaining == 1 else min(req.remaining, cfg.max_chunk_tokens, budget)
+            n = 1 if req.remaining == 1 else self._chunk(req, min(req.remaining, cfg.max_chunk_tokens, budget))
             if n <= 0 or budget <= 0:
                 continue
             try:
@@ -181,10 +184,53 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
+    def _chunk(self, req: Request, n: int) -> int:
+        """A hybrid request's prefill chunk of up to ``n`` tokens ends at its next snapshot point inside it, else at
+        the last block boundary inside it (unless it finishes the prompt), so that its state is at hand wherever
+        the snapshot policy wants one; other requests take ``n``."""
+        if self.hybrid is None or n <= 1:
+            return n
+        bs, start = self.block_size, req.computed
+        end = start + n
+        point = next((p * bs for p in req.state_points if start < p * bs < end), None)
+        if point is not None:
+            return point - start
+        if end < req.end and end // bs > start // bs:
+            return (end // bs) * bs - start
+        return n
+
+    def _match(self, req: Request) -> MatchResult | None:
+        """Match and pin ``req``'s cached prefix. A hybrid model's request also takes a live state slot (None: every
+        slot is taken; nothing changed) and is served only up to the deepest snapshot its KV match reaches, whose
+        state goes into its slot; its snapshot points are planned here."""
+        hy, limit = self.hybrid, req.cache_limit
+        if hy is None:
+            return self.cache.match(req.tokens[:limit], req.namespace)
+        slot = hy.take_live()
+        if slot is None:
+            return None
+        try:
+            kv = self.cache.probe(req.tokens[:limit], req.namespace) // self.block_size
+            restored, snap = hy.restore_point(req.block_keys, req.tokens, req.namespace, kv)
+            m = self.cache.match(req.tokens[:limit], req.namespace, max_blocks=restored)
+            if snap is not None:
+                hy.pool.copy(slot, snap)
+        except BaseException:
+            hy.give_back(slot)
+            raise
+        req.state_slot, req.has_state = slot, snap is not None
+        prompt = len(req.prompt) if not req.scoring else req.commit_limit
+        req.state_points = hy.points(
+            restored=restored, matched=kv, limit=limit, prompt_tokens=prompt, hints=req.snapshot_hints
+        )
+        return m
+
     def _start(self, req: Request, plan: Plan, budget: int) -> int:
         """Match, pin and allocate for ``req``'s first chunk; returns its tokens this step, or 0 (nothing changed)
-        when the pool is short."""
-        m = self.cache.match(req.tokens[: req.cache_limit], req.namespace)
+        when the pool (or a hybrid model's state pool) is short."""
+        m = self._match(req)
+        if m is None:
+            return 0
         req.handle = m.handle
         req.table = list(m.block_ids)
         req.computed = m.cached_tokens
@@ -192,12 +238,15 @@ class Scheduler:
         self._admitted(req)  # may load blocks from the tier (req.tier_tokens)
         if req.cached_tokens < 0:
             req.cached_tokens = m.cached_tokens + req.tier_tokens
-        n = 1 if req.remaining == 1 else min(req.remaining, self.config.max_chunk_tokens, budget)
+        n = 1 if req.remaining == 1 else self._chunk(req, min(req.remaining, self.config.max_chunk_tokens, budget))
         try:
             req.table.extend(self.cache.allocate(m.handle, self._blocks_needed(req, n)))
         except OutOfBlocks:
             self.cache.release(m.handle)
+            if self.hybrid is not None and req.state_slot is not None:
+                self.hybrid.give_back(req.state_slot)
             req.handle, req.table, req.computed, req.committed = None, [], 0, 0
+            req.state_slot, req.has_state = None, False
             return 0
         req.status = Status.RUNNING
         self.running.append(req)
@@ -230,6 +279,9 @@ class Scheduler:
         for other in prefilling:
             common = _common_prefix(req.tokens, other.tokens, min(limit - 1, other.commit_limit))
             if (common // bs) * bs > cached:
+                if self.hybrid is not None and common // bs * bs > other.computed:
+                    # where they part is where a snapshot pays: the running one keeps its state there
+                    other.state_points = sorted({*other.state_points, common // bs})
                 return True
         return False
 

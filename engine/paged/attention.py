@@ -21,9 +21,9 @@ import contextvars
 import ctypes
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,7 @@ class StepBatch:
     kv_len: torch.Tensor | None = None
     layer: int = -1
     attention_s: float = 0.0  # seconds spent in paged_attention for this batch (all layers)
+    latent_out: torch.Tensor | None = None  # the last multi-head latent attention's output
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -197,6 +198,11 @@ def paged_attention(
     pair = b.pool.layer(b.layer)
     assert pair is not None
     kpool, vpool = pair
+    if hasattr(module, "expand_kv"):  # multi-head latent attention: the pool holds the latents, not K/V
+        _latent_attention(b, module, query, kpool, vpool, scaling, sliding_window)
+        b.attention_s += time.perf_counter() - t0
+        assert b.latent_out is not None
+        return b.latent_out, None
     _, hq, t, dim = query.shape
     hkv = kpool.shape[0]
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(dim)
@@ -210,6 +216,38 @@ def paged_attention(
         _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
     b.attention_s += time.perf_counter() - t0
     return out.unsqueeze(0), None
+
+
+def _latent_attention(
+    b: StepBatch,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    kpool: torch.Tensor,
+    vpool: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> None:
+    """Multi-head latent attention (DeepSeek-V3, GLM-4-MoE-Lite, Kimi Linear): transformers caches the compressed
+    latents (``cache.update(kv_nope, k_rot)``) and expands them per head with the module's ``expand_kv`` only
+    afterwards, so here each row's latents are gathered from the pool and expanded the module's own way, then
+    attended with SDPA over the row's mask. Sets ``b.latent_out`` ([1, T, Hq, Dv])."""
+    bs = b.pool.block_size
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    window = int(sliding_window) if sliding_window else 0
+    t = query.shape[2]
+    expand = cast("Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]", module.expand_kv)
+    out: torch.Tensor | None = None
+    for i, r in enumerate(b.rows):
+        latent = _gather(kpool, r.blocks, r.kv_len, bs)[None].to(query.dtype)  # [1, 1, kv_len, rank]
+        rope = _gather(vpool, r.blocks, r.kv_len, bs)[None].to(query.dtype)  # [1, 1, kv_len, rope dim]
+        k, v = expand(latent, rope)  # [1, H, kv_len, dk], [1, H, kv_len, dv]
+        qi = query[:, :, r.q_start : r.q_start + r.q_len]
+        res = F.scaled_dot_product_attention(qi, k, v, attn_mask=b.mask(i, window), scale=scale)
+        if out is None:
+            out = torch.empty((t, query.shape[1], v.shape[-1]), dtype=query.dtype, device=query.device)
+        out[r.q_start : r.q_start + r.q_len] = res[0].transpose(0, 1)
+    assert out is not None
+    b.latent_out = out.unsqueeze(0)
 
 
 def _kernel_attention(

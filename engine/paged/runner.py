@@ -12,6 +12,7 @@ forward whose logits differ from the model's own.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from collections.abc import Iterator, Sequence
@@ -20,8 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin
 
 from engine import hf_cache
+from engine.hybrid import recurrent
+from engine.hybrid.recurrent import Segment
+from engine.hybrid.states import StatePool
 from engine.kv_pool import KVPool
 from engine.paged.attention import ATTENTION_NAME, PagedKV, Row, StepBatch, paged_attention, use_batch
 
@@ -37,9 +42,13 @@ class PagedRunner:
     """Runs ``StepBatch``es of ``model`` over ``pool`` (the pool's layers must be the model's). Not thread-safe:
     one forward at a time (the engine's loop)."""
 
-    def __init__(self, model: PreTrainedModel, pool: KVPool, *, use_kernel: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, pool: KVPool, *, use_kernel: bool = True, states: StatePool | None = None
+    ) -> None:
         self.model = model
         self.pool = pool
+        self.states = states  # a hybrid model's recurrent-state pool (its modules are wrapped: engine.hybrid)
+        self._num_layers = len(pool.specs)
         self.use_kernel = use_kernel and all(s is None or s.k_shape == s.v_shape for s in pool.specs)
         self._cache_kwarg = hf_cache.cache_kwarg(model)
         params = inspect.signature(type(model).forward).parameters
@@ -50,16 +59,27 @@ class PagedRunner:
         """The ``StepBatch`` of ``rows`` on this runner's pool."""
         return StepBatch.make(self.pool, rows, use_kernel=self.use_kernel)
 
-    def forward(self, batch: StepBatch, input_ids: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        batch: StepBatch,
+        input_ids: torch.Tensor,
+        logits_at: torch.Tensor,
+        segments: Sequence[Segment] = (),
+    ) -> torch.Tensor:
         """Run the step: ``input_ids`` [T] (the rows' new tokens, in order); returns the logits [n, vocab] at the
-        flat positions ``logits_at`` [n]. Writes every new token's K/V into the pool at the batch's slots."""
+        flat positions ``logits_at`` [n]. Writes every new token's K/V into the pool at the batch's slots; a hybrid
+        model's rows (``segments``, one per row) advance their recurrent states in their state slots."""
         device = self.pool.device
         ids = input_ids.to(device).unsqueeze(0)
         at = logits_at.to(device)
         kwargs: dict[str, Any] = {self._cache_kwarg: PagedKV(batch)}
         if self._keep_param:
             kwargs["logits_to_keep"] = at
-        with torch.inference_mode(), use_batch(batch), self._switched():
+        if self.states is None:
+            states: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        else:
+            states = recurrent.segments(self.states, list(segments), self._num_layers)
+        with torch.inference_mode(), use_batch(batch), self._switched(), states:
             out = self.model(input_ids=ids, position_ids=batch.positions.unsqueeze(0), use_cache=True, **kwargs)
         logits: torch.Tensor = out.logits[0]
         return logits if self._keep_param else logits[at]
@@ -97,30 +117,53 @@ def paged_unsupported_reason(model: PreTrainedModel, pool: KVPool) -> str | None
     can = getattr(model, "_can_set_attn_implementation", None)
     if can is not None and not can():
         return f"{name} does not dispatch attention through transformers' AttentionInterface"
-    if any(s is None for s in pool.specs):
-        return f"{name} has layers without keys and values of their own (shared or attention-free layers)"
+    missing = [i for i, s in enumerate(pool.specs) if s is None and i not in _stateless_or_recurrent(model)]
+    if missing:
+        return f"{name} has layers without keys and values of their own (shared KV) at {missing}"
     for m in model.modules():
         if hasattr(m, "sinks") or hasattr(m, "s_aux"):
             return f"{name} uses attention sinks, which the paged attention does not implement"
     return None
 
 
+def _stateless_or_recurrent(model: PreTrainedModel) -> set[int]:
+    """Layers that rightly hold no K/V: recurrent ones (their state is kept elsewhere) and placeholders of layers
+    without attention (an MLP-only layer). Changes nothing."""
+    template = DynamicCache(config=model.config.get_text_config(decoder=True))
+    kinds = list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or [])
+    out = set()
+    for i, layer in enumerate(template.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin) or (
+            isinstance(layer, DummyLayer) and i < len(kinds) and kinds[i] in ("mlp", "moe")
+        ):
+            out.add(i)
+    return out
+
+
 def probe_difference(
-    model: PreTrainedModel, pool: KVPool, blocks: Sequence[int], *, use_kernel: bool = True, seed: int = 0
+    model: PreTrainedModel,
+    pool: KVPool,
+    blocks: Sequence[int],
+    *,
+    use_kernel: bool = True,
+    seed: int = 0,
+    states: StatePool | None = None,
+    slot: int = 0,
 ) -> float:
     """Max |logit difference| between the paged path (the probe prompt in two chunks, KV in ``blocks`` of the
-    pool, which the caller owns and may find overwritten) and one plain forward, relative to the logits' scale."""
+    pool, which the caller owns and may find overwritten; a hybrid model's state in slot ``slot`` of ``states``)
+    and one plain forward, relative to the logits' scale."""
     bs = pool.block_size
     n = min(len(blocks) * bs, 2 * bs + 3)
     gen = torch.Generator().manual_seed(seed)
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     ids = torch.randint(0, vocab, (n,), generator=gen)
-    runner = PagedRunner(model, pool, use_kernel=use_kernel)
+    runner = PagedRunner(model, pool, use_kernel=use_kernel, states=states)
     cut = max(1, n - 2)
     first = runner.batch([Row(0, cut, cut, blocks)])
-    got_a = runner.forward(first, ids[:cut], torch.arange(cut))
+    got_a = runner.forward(first, ids[:cut], torch.arange(cut), [Segment(0, cut, slot, False)])
     second = runner.batch([Row(0, n - cut, n, blocks)])
-    got_b = runner.forward(second, ids[cut:], torch.arange(n - cut))
+    got_b = runner.forward(second, ids[cut:], torch.arange(n - cut), [Segment(0, n - cut, slot, True)])
     got = torch.cat([got_a, got_b]).float()
     with torch.inference_mode():
         ref = model(input_ids=ids.unsqueeze(0).to(model.device)).logits[0].float().cpu()

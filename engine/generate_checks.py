@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from prefixcache.core.checks import check_int
+
 _ALLOWED_MODES = ("greedy_search", "sample")
 _BATCH_SHAPED_KWARGS = ("position_ids", "token_type_ids", "cache_position", "decoder_input_ids")
 
@@ -102,3 +104,21 @@ def row_names(namespace: Any, input_ids: Any) -> list[str]:
     if len(spaces) != rows:
         raise ValueError(f"namespace gives {len(spaces)} namespaces for {rows} batch rows; give one per row")
     return spaces
+
+
+def row_hints(hints: Any, rows: int) -> list[list[int]] | None:
+    """``snapshot_hints`` as one list of token positions per batch row (one flat sequence applies to every row);
+    ValueError / TypeError naming what is wrong."""
+    if hints is None:
+        return None
+    items = list(hints)
+    if all(not isinstance(h, Sequence) for h in items):
+        flat = [_position(h) for h in items]
+        return [flat] * rows
+    if len(items) != rows or not all(isinstance(h, Sequence) for h in items):
+        raise ValueError(f"snapshot_hints gives {len(items)} entries for {rows} batch rows: give one list per row")
+    return [[_position(p) for p in h] for h in items]
+
+
+def _position(value: Any) -> int:
+    return check_int(value, "snapshot_hints position", minimum=0)

@@ -1,8 +1,10 @@
 """The built-in default model and tokenizer (no downloads), and loading a model from a local path.
 
-Presets are Llama-style models with seeded random weights and a byte-level tokenizer: 256 byte tokens plus
-special tokens (``<|bos|>``, ``<|eos|>``, ``<|pad|>``, role markers) and a chat template. Random weights give
-meaningless text but real compute: enough for cache correctness and speed measurements.
+Presets are models with seeded random weights and a byte-level tokenizer: 256 byte tokens plus special tokens
+(``<|bos|>``, ``<|eos|>``, ``<|pad|>``, role markers) and a chat template. ``tiny`` and ``small`` are Llama-style;
+``tiny-hybrid`` and ``small-hybrid`` have Qwen3.5's hybrid layer pattern (three gated-delta-net linear-attention
+layers to one full-attention layer). Random weights give meaningless text but real compute: enough for cache
+correctness and speed measurements.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class Preset:
-    """Shape of a built-in Llama-style model."""
+    """Shape of a built-in model: Llama-style (``family`` "llama"), or Qwen3.5's hybrid pattern ("qwen3_5":
+    ``linear`` = key heads, value heads and head dim of its linear-attention layers, every fourth layer full
+    attention with ``head_dim``)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -46,6 +50,9 @@ class Preset:
     max_position_embeddings: int
     vocab_size: int = 272  # 256 bytes + 7 specials, rounded up to a multiple of 16
     initializer_range: float = 0.02
+    family: str = "llama"
+    head_dim: int | None = None
+    linear: tuple[int, int, int] | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -65,6 +72,29 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=12,
         intermediate_size=3072,
         max_position_embeddings=4096,
+    ),
+    "tiny-hybrid": Preset(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+        family="qwen3_5",
+        head_dim=16,
+        linear=(2, 4, 16),
+    ),
+    "small-hybrid": Preset(  # 99.2M parameters; one recurrent-state snapshot: 1.9 MiB (the KV of 324 tokens)
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2560,
+        max_position_embeddings=4096,
+        family="qwen3_5",
+        head_dim=64,
+        linear=(6, 12, 64),
     ),
 }
 
@@ -111,25 +141,45 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def build_preset(
     name: str, *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0
-) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+) -> tuple[CausalLM, PreTrainedTokenizerFast]:
     """A preset model with seeded random weights (the global RNG is left untouched) and its tokenizer."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     tokenizer = byte_tokenizer()
     p = PRESETS[name]
-    config = LlamaConfig(
-        **asdict(p),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    common = {k: v for k, v in asdict(p).items() if k not in ("family", "head_dim", "linear")}
+    special = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+    if p.family == "qwen3_5":
+        assert p.linear is not None
+        key_heads, value_heads, linear_dim = p.linear
+        config: Any = Qwen3_5TextConfig(
+            **common,
+            **special,
+            head_dim=p.head_dim or common["hidden_size"] // common["num_attention_heads"],
+            linear_num_key_heads=key_heads,
+            linear_num_value_heads=value_heads,
+            linear_key_head_dim=linear_dim,
+            linear_value_head_dim=linear_dim,
+            linear_conv_kernel_dim=4,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(p.num_hidden_layers)
+            ],
+        )
+        factory: Any = Qwen3_5ForCausalLM
+    else:
+        config = LlamaConfig(**common, **special)
+        factory = LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model = model.to(dtype=dtype, device=device).eval()  # type: ignore[call-arg]  # transformers' typing of .to
+        model = factory(config)
+    model = model.to(dtype=dtype, device=device).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

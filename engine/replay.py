@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import torch
 
+from engine.hybrid.hints import message_ends
 from engine.memory import PoolTooLargeError
 from engine.models import PRESETS, load_model
 from engine.wrapper import PrefixCachedModel
@@ -64,23 +65,28 @@ class TTFTStreamer:
 
 
 class HFRenderer:
-    """Renders requests with a Hugging Face tokenizer (its chat template for messages)."""
+    """Renders requests with a Hugging Face tokenizer (its chat template for messages). With ``hints`` (a hybrid
+    model), ``last_hints`` holds the last chat's message ends (``engine.hybrid.hints``), else ()."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, hints: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.hints = hints
+        self.last_hints: tuple[int, ...] = ()
 
     def encode_text(self, text: str) -> list[int]:
+        self.last_hints = ()
         return list(self.tokenizer(text)["input_ids"])
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ReplayError("the model's tokenizer has no chat template; use text requests for this model")
-        out = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=True
-        )
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        out = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         if hasattr(out, "keys"):
             out = out["input_ids"]
-        return list(out)
+        ids = list(out)
+        self.last_hints = message_ends(self.tokenizer, chat, ids) if self.hints else ()
+        return ids
 
 
 def _timed_generate(
@@ -191,6 +197,7 @@ def replay(
             )
         except PoolTooLargeError as exc:
             raise ReplayError(f"capacity {cap.label(block_size)}: {exc}") from None
+        renderer.hints = pcm.runtime.hybrid is not None  # chats' message ends become snapshot hints
         res = _replay_one(
             scenario,
             pcm,
@@ -301,7 +308,8 @@ def _replay_one(
             kw = dict(gen, max_new_tokens=k)
             base = _timed_generate(hf_model.generate, ids, kw) if baseline else None
             evicted0 = stats.blocks_evicted
-            out, ttft, total = _timed_generate(pcm.generate, ids, dict(kw, namespace=req.namespace))
+            hints = {"snapshot_hints": renderer.last_hints} if pcm.runtime.hybrid is not None else {}
+            out, ttft, total = _timed_generate(pcm.generate, ids, dict(kw, namespace=req.namespace, **hints))
             rs = pcm.last_request_stats[0]
             reply = tokenizer.decode(out, skip_special_tokens=True)
             conv.add_reply(req, reply)

@@ -148,15 +148,7 @@ class ModelRuntime:
             self.causes = LiveCauses(self.block_size, config.history_bound(self.block_size))
             return
         self.specs = hf_cache.probe_specs(model)
-        self.hybrid = open_hybrid(
-            model,
-            live=self.scheduler_config.max_running + 1,  # each running engine request's state, and the probe's
-            snapshots=config.max_cached_states,
-            block_size=self.block_size,
-            hash_seed=config.hash_seed,
-            interval=config.snapshot_interval,
-            check_memory=config.check_memory,
-        )
+        self.hybrid = self._open_hybrid()
         if self.hybrid is not None and (config.disk_cache is not None or config.shared_cache is not None):
             raise ValueError(
                 f"{type(model).__name__} is a hybrid model: the disk and shared tiers hold attention KV only, not its "
@@ -207,6 +199,20 @@ class ModelRuntime:
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, seed=seed)
         return cls(model, config, tokenizer=tokenizer)
+
+    def _open_hybrid(self) -> HybridStates | None:
+        """The recurrent-state side of the cache (None for a model without recurrent layers), probed on the model
+        as it is now (its dtype and device)."""
+        config = self.config
+        return open_hybrid(
+            self.model,
+            live=self.scheduler_config.max_running + 1,  # each running engine request's state, and the probe's
+            snapshots=config.max_cached_states,
+            block_size=self.block_size,
+            hash_seed=config.hash_seed,
+            interval=config.snapshot_interval,
+            check_memory=config.check_memory,
+        )
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -269,6 +275,8 @@ class ModelRuntime:
         if model.dtype != pool.dtype or self.device != pool.device:
             self.pool = self._new_pool(pool.num_blocks)
             self.drop()
+            if self.hybrid is not None:  # states of another dtype or device: a new state pool, probed anew
+                self.hybrid = self._open_hybrid()
             self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
             self.fingerprint = fingerprint(model)
             if self.tier is not None:

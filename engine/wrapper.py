@@ -30,7 +30,7 @@ from engine.errors import (
     UnverifiedCacheWarning,
 )
 from engine.explain import Explanation
-from engine.generate_checks import merged_config, row_names, uncached_reason, unmasked_pads_reason
+from engine.generate_checks import merged_config, row_hints, row_names, uncached_reason, unmasked_pads_reason
 from engine.kv_pool import KVPool
 from engine.models import context_length
 from engine.runtime import DEFAULT_MAX_CACHED_TOKENS, HISTORY_FACTOR, ModelRuntime, RuntimeConfig, eos_ids
@@ -42,18 +42,8 @@ from prefixcache.core.hashing import BlockHasher
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = [
-    "DEFAULT_MAX_CACHED_TOKENS",
-    "HISTORY_FACTOR",
-    "EngineFallbackWarning",
-    "Explanation",
-    "PrefixCachedModel",
-    "RowStats",
-    "StaleCacheWarning",
-    "UncachedCallWarning",
-    "UnsupportedModelError",
-    "UnverifiedCacheWarning",
-]
+__all__ = ["DEFAULT_MAX_CACHED_TOKENS", "HISTORY_FACTOR", "EngineFallbackWarning", "Explanation", "PrefixCachedModel"]
+__all__ += ["RowStats", "StaleCacheWarning", "UncachedCallWarning", "UnsupportedModelError", "UnverifiedCacheWarning"]
 
 
 class PrefixCachedModel:
@@ -295,12 +285,16 @@ class PrefixCachedModel:
         attention_mask: torch.Tensor | None = None,
         *,
         namespace: str | Sequence[str] = "default",
+        snapshot_hints: Sequence[int] | Sequence[Sequence[int]] | None = None,
         **kwargs: Any,
     ) -> Any:
         """``model.generate`` with prefix caching; same arguments, same return value.
 
         ``namespace`` (tenant, adapter, ...) separates caches: requests never share blocks across namespaces.
-        A sequence gives one namespace per batch row (a server batch mixes tenants).
+        A sequence gives one namespace per batch row (a server batch mixes tenants). ``snapshot_hints`` (hybrid
+        models; ignored otherwise): token positions of the prompt (after its padding; one sequence per row, or one
+        for every row) where prompts that share its beginning will part, e.g. the end of a system prompt: the cache
+        keeps the recurrent state there, so the next such prompt is served up to it (docs/hybrid.md).
         Changes the cache: matched blocks are refreshed, new full blocks of prompt + output are inserted.
         """
         if input_ids is None and "inputs" in kwargs:
@@ -331,7 +325,10 @@ class PrefixCachedModel:
             rt.follow()
             self._active += 1
             try:
-                out, self.last_request_stats = contiguous.generate(rt, input_ids, attention_mask, gc, names, kwargs)
+                hints = row_hints(snapshot_hints, len(names))
+                out, self.last_request_stats = contiguous.generate(
+                    rt, input_ids, attention_mask, gc, names, kwargs, hints
+                )
                 return out
             finally:
                 self._active -= 1

@@ -362,12 +362,12 @@ def test_exception_inside_a_step(monkeypatch, fail_at):
     failed_rows: list[int] = []
     boom = RuntimeError("injected failure")
 
-    def forward(batch, input_ids, logits_at):
+    def forward(batch, input_ids, logits_at, *rest):
         calls["n"] += 1
         if calls["n"] == fail_at:
             failed_rows.append(len(batch.rows))
             raise boom
-        return real(batch, input_ids, logits_at)
+        return real(batch, input_ids, logits_at, *rest)
 
     monkeypatch.setattr(engine.runner, "forward", forward)
     reqs = [submit(engine, f"r{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts)]

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from engine.hybrid.hints import message_ends
 from engine.serve.backend import Backend
 from engine.serve.metrics import ServeMetrics
 from engine.serve.protocol import (
@@ -245,13 +246,13 @@ class _Serving:
         if salt == "":
             raise APIError(400, f"the {SALT_HEADER} header is empty", param="cache_salt")
         namespace = salt_namespace(salt)
+        hints: tuple[int, ...] = ()
         if isinstance(body, ChatRequest):
-            prompts, param, limit, default = (
-                [self._chat_tokens(body)],
-                "messages",
-                body.token_limit,
-                self.default_max_tokens,
-            )
+            chat = self._chat_tokens(body)
+            prompts, param, limit, default = [chat], "messages", body.token_limit, self.default_max_tokens
+            if self.info.hybrid:  # where chats part: a hybrid model keeps its recurrent state there
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                hints = message_ends(self.info.tokenizer, messages, chat)
         else:
             prompts = [self._prompt_tokens(p, i, body.prompts_count()) for i, p in enumerate(body.prompts())]
             param, limit, default = "prompt", body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -290,6 +291,7 @@ class _Serving:
                     prompt_lp,
                     sample_lp if max_tokens else None,
                     stops,
+                    hints,
                 )
             )
         return calls

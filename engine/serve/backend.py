@@ -30,6 +30,7 @@ class ModelInfo:
     context_length: int | None  # None: the config names no limit
     vocab_size: int
     default_temperature: float  # 0.0 (greedy) unless the model's generation config samples
+    hybrid: bool = False  # recurrent layers: chat calls carry their messages' ends as snapshot hints
 
 
 class Backend(Protocol):
@@ -66,7 +67,12 @@ def model_info(model_id: str, runtime: ModelRuntime) -> ModelInfo:
     gc = model.generation_config
     temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
     return ModelInfo(
-        model_id, runtime.tokenizer, context_length(model.config), int(model.config.vocab_size), temperature
+        model_id,
+        runtime.tokenizer,
+        context_length(model.config),
+        int(model.config.vocab_size),
+        temperature,
+        runtime.hybrid is not None,
     )
 
 
@@ -77,8 +83,11 @@ def describe_model(model: str) -> ModelInfo:
 
     if model in PRESETS:
         p = PRESETS[model]
-        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0)
+        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0, p.family != "llama")
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.cache_utils import DynamicCache
+
+    from engine.hybrid.states import recurrent_layers
 
     config = AutoConfig.from_pretrained(model, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
@@ -87,7 +96,8 @@ def describe_model(model: str) -> ModelInfo:
     except OSError:  # no generation_config.json: transformers' defaults (greedy)
         gc = GenerationConfig()
     temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
-    return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature)
+    hybrid = bool(recurrent_layers(DynamicCache(config=config.get_text_config(decoder=True))))
+    return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature, hybrid)
 
 
 class Worker(Protocol):

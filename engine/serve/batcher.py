@@ -294,9 +294,8 @@ class Batcher:
             raise RuntimeError(f"the batcher's generate settings cannot use the cache: {reason}")
         with rt.lock:
             rt.follow()
-            _, rows = contiguous.generate(
-                rt, ids.to(rt.device), mask.to(rt.device), gc, [c.namespace for c in calls], kwargs
-            )
+            names, hints = [c.namespace for c in calls], [c.hints for c in calls]
+            _, rows = contiguous.generate(rt, ids.to(rt.device), mask.to(rt.device), gc, names, kwargs, hints)
             self._cache_stats = rt.cache_stats()
         if self.after_batch is not None:
             self.after_batch()

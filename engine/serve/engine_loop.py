@@ -89,7 +89,7 @@ def request_for(
             stop_token_ids=call.stop_token_ids,
             ignore_eos=call.ignore_eos,
         )
-    req = Request(call.request_id, list(call.prompt), namespace, params, sink=sink)
+    req = Request(call.request_id, list(call.prompt), namespace, params, sink=sink, snapshot_hints=call.hints)
     if call.prompt_logprobs is not None:
         req.score_from = 1
         req.top_logprobs = call.prompt_logprobs

@@ -229,6 +229,7 @@ class GenerateCall:
     prompt_logprobs: int | None = None  # log-probs of every prompt token, with this many alternatives
     logprobs: int | None = None  # log-probs of every generated token, with this many alternatives
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first of them (the engine stops there)
+    hints: tuple[int, ...] = ()  # hybrid models: prompt positions where chats part (its messages' ends)
 
     @property
     def sampling(self) -> tuple[float, float]:

@@ -33,6 +33,8 @@ class ServeConfig:
     disk_cache: str | None = None  # the directory of a disk tier below the pool (None: none)
     disk_cache_size: str | None = None  # its budget, e.g. "50G" (None: the default)
     shared_cache: str | None = None  # a Redis URL: a tier shared by every process pointing at it
+    max_cached_states: int | None = None  # hybrid models: recurrent-state snapshots kept (None: the default)
+    snapshot_interval: int = 0  # hybrid models: also a snapshot every so many blocks of a prompt
 
     def runtime_config(self) -> RuntimeConfig:
         """The model runtime's settings: pool, block size, the engine's step budget, the tier."""
@@ -55,6 +57,8 @@ class ServeConfig:
             disk_cache=self.disk_cache,
             max_disk_bytes=self.disk_cache_size,
             shared_cache=self.shared_cache,
+            max_cached_states=self.max_cached_states,
+            snapshot_interval=self.snapshot_interval,
         )
 
 

@@ -34,7 +34,11 @@ def register(app: typer.Typer) -> None:
 
     @app.command("serve")
     def serve(
-        model: str = typer.Option("tiny", "--model", help="Built-in preset (tiny, small) or a local model directory."),
+        model: str = typer.Option(
+            "tiny",
+            "--model",
+            help="Built-in preset (tiny, small, tiny-hybrid, small-hybrid) or a local model directory.",
+        ),
         max_cached_tokens: int | None = typer.Option(
             None,
             "--max-cached-tokens",
@@ -43,6 +47,20 @@ def register(app: typer.Typer) -> None:
             "x tokens, checked against the available memory before it is allocated.",
         ),
         block_size: int = typer.Option(16, "--block-size", min=1, help="Tokens per cached block."),
+        max_cached_states: int | None = typer.Option(
+            None,
+            "--max-cached-states",
+            min=1,
+            help="Hybrid models: recurrent-state snapshots kept per process (default 64), besides one live state per "
+            "running request; each costs the model's state bytes.",
+        ),
+        snapshot_interval: int = typer.Option(
+            0,
+            "--snapshot-interval",
+            min=0,
+            help="Hybrid models: also keep a state snapshot every N blocks of a prompt (0: only where the policy "
+            "says: re-send points, shared prefixes' ends, chat messages' ends, request ends).",
+        ),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
         port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
         engine: bool = typer.Option(
@@ -147,6 +165,8 @@ def register(app: typer.Typer) -> None:
             disk_cache=disk_cache,
             disk_cache_size=disk_cache_size,
             shared_cache=shared_cache,
+            max_cached_states=max_cached_states,
+            snapshot_interval=snapshot_interval,
         )
         if disk_cache is not None and shared_cache is not None:
             console.error("--disk-cache and --shared-cache: give one (one tier below the pool)")

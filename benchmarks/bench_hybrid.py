@@ -14,6 +14,9 @@ exactness, what its cache costs per token, and a chat replay beside a pure-atten
 - Memory: one recurrent-state snapshot's bytes; KV bytes per token of the hybrid and of ``--reference``; bytes per
   cached token of the prefix (its KV plus the snapshots held) against the reference's KV per token.
 - ``--replay SCENARIO``: ``prefixcache replay`` of the scenario on both models (hit rates, outputs checked).
+- ``--families``: the exactness probe of every hybrid family's tiny random model (``tests/hybrid_testutil.py``): a
+  prompt's logits from one forward against two chunks, the second from the saved state, as multi-token chunks and
+  one token at a time, float32 and bfloat16; which way the model is run (``tokenwise``).
 """
 
 from __future__ import annotations
@@ -155,6 +158,35 @@ def replay_both(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def families() -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hybrid_testutil import RECURRENT, build
+
+    from engine.hybrid import probe, recurrent
+
+    out: dict[str, Any] = {}
+    for family in RECURRENT:
+        row: dict[str, Any] = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = build(family, dtype=dtype)
+            spec = probe.probe_spec(model)
+            modules = recurrent.find_modules(model, list(spec.layers))
+            assert not isinstance(modules, str), modules
+            recurrent.install(modules, tokenwise=True)
+            name = str(dtype).removeprefix("torch.")
+            row[name] = {
+                "chunked": probe.chunked_difference(model, tokenwise=False),
+                "tokenwise": probe.chunked_difference(model, tokenwise=True),
+                "tolerance": probe.tolerance(model),
+            }
+        runtime = PrefixCachedModel(build(family), max_cached_tokens=256).runtime
+        assert runtime.hybrid is not None
+        row["runs_tokenwise"] = runtime.hybrid.tokenwise
+        row["state_bytes_per_snapshot"] = runtime.hybrid.spec.bytes_per_snapshot
+        out[family] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small-hybrid")
@@ -164,6 +196,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--replay", default=None, help="a scenario to replay on both models (e.g. scenarios/chat.yaml)")
+    ap.add_argument("--families", action="store_true", help="probe every hybrid family's exactness (tiny models)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -173,6 +206,8 @@ def main() -> None:
     doc["memory"] = memory(args, doc["ttft"])
     if args.replay:
         doc["replay"] = replay_both(args)
+    if args.families:
+        doc["families"] = families()
     t, m = doc["ttft"], doc["memory"]
     print(f"{t['model']} ({t['params'] / 1e6:.1f}M), {t['prefix_tokens']} cached + {t['suffix_tokens']} new tokens:")
     print(
@@ -199,6 +234,12 @@ def main() -> None:
                 f"  replay {r['scenario']} on {name}: {x['token_hit_rate']:.1%} of prompt tokens cached, outputs "
                 f"{x['outputs_checked'] - x['outputs_mismatched']}/{x['outputs_checked']} equal"
             )
+    for family, row in doc.get("families", {}).items():
+        f32, b16 = row["float32"], row["bfloat16"]
+        print(
+            f"  {family:18s} float32 chunked {f32['chunked']:.1e} / token by token {f32['tokenwise']:.1e}; "
+            f"bfloat16 {b16['chunked']:.1e} / {b16['tokenwise']:.1e}; runs {'token by token' if row['runs_tokenwise'] else 'chunked'}"
+        )
     if args.json:
         doc["meta"] = _meta.end(meta)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

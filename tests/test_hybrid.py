@@ -247,3 +247,48 @@ def test_bad_settings_and_unsupported_models_get_clear_errors(tmp_path):
         mamba = T.MambaForCausalLM(T.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4))
     with pytest.raises(UnsupportedModelError, match="recurrent layers only"):
         PrefixCachedModel(mamba.eval(), max_cached_tokens=64)
+
+
+@pytest.mark.parametrize("use_engine", [True, False], ids=["engine", "batcher"])
+def test_served_chats_behind_one_system_prompt(use_engine):
+    """``prefixcache serve`` on a hybrid preset: the second user's first turn is served the system prompt (its end
+    is a message end: a snapshot hint), later turns their history; every reply is the bare model's."""
+    import openai
+    from serve_testutil import bare_greedy, server_thread
+
+    from engine import ModelRuntime, RuntimeConfig
+    from engine.models import build_preset
+    from engine.serve.app import create_app
+    from engine.serve.backend import LocalBackend
+
+    model, tok = build_preset("tiny-hybrid")
+    runtime = ModelRuntime.load("tiny-hybrid", RuntimeConfig(max_cached_tokens=8192, block_size=BS))
+    backend = LocalBackend(runtime, "tiny-hybrid", use_engine=use_engine)
+    assert backend.info.hybrid and backend.runs_engine() == use_engine
+    system = {"role": "system", "content": "You answer questions about prefix caching, briefly. " * 3}
+
+    def ids_of(messages):
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    system_end = len(tok.apply_chat_template([system], tokenize=True)["input_ids"])
+    with server_thread(create_app(backend)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        cached = []
+        for user in ("What is a block?", "Why keep states?"):
+            messages = [system, {"role": "user", "content": user}]
+            for _ in range(2):
+                r = client.chat.completions.create(model="tiny-hybrid", messages=messages, max_tokens=6, temperature=0)
+                want = tok.decode(bare_greedy(model, ids_of(messages), 6), skip_special_tokens=True)
+                assert r.choices[0].message.content == want
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+                messages += [{"role": "assistant", "content": want}, {"role": "user", "content": "And then?"}]
+
+        def check() -> None:
+            runtime.cache.check_integrity()
+            assert runtime.hybrid is not None
+            runtime.hybrid.check_integrity()
+
+        backend.worker.run_exclusive(check).result(timeout=30)
+    assert cached[0] == 0 and cached[1] > system_end  # the first user's second turn: its history
+    assert cached[2] == system_end // BS * BS > 0  # the second user's FIRST turn: the system prompt
+    assert cached[3] > cached[2]

@@ -292,3 +292,29 @@ def test_served_chats_behind_one_system_prompt(use_engine):
     assert cached[0] == 0 and cached[1] > system_end  # the first user's second turn: its history
     assert cached[2] == system_end // BS * BS > 0  # the second user's FIRST turn: the system prompt
     assert cached[3] > cached[2]
+
+
+def test_items_that_share_exemplars_are_served_them_on_first_sight():
+    """Multiple choice: three items behind one exemplar prefix, scored together with small prefill chunks. The
+    first request computes the exemplars; the first request of each other item waits for it and is served the
+    exemplars (the running one ends a chunk where they part and keeps its state there), each item's other choices
+    its whole context. Log-likelihoods equal the bare model's."""
+    from engine.batching.scheduler import SchedulerConfig
+
+    model = model_of("qwen3_5")
+    pcm = PrefixCachedModel(
+        model, max_cached_tokens=8192, block_size=BS, engine_config=SchedulerConfig(max_chunk_tokens=64)
+    )
+    g = torch.Generator().manual_seed(19)
+    exemplars = _rand(g, 150)
+    items = [exemplars + _rand(g, 21) for _ in range(3)]
+    pairs = [(ctx, _rand(g, 4)) for ctx in items for _ in range(3)]
+    res = pcm.score(pairs)
+    for (ctx, cont), r in zip(pairs, res):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0].double(), -1)
+        assert abs(r.logprob - sum(float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))) < 1e-4
+    per_item = sorted(sorted(r.cached_tokens for r in res[3 * i : 3 * i + 3]) for i in range(3))
+    context = (len(items[0]) - 1) // BS * BS
+    assert per_item == [[0, context, context]] + [[150 // BS * BS, context, context]] * 2
+    _consistent(pcm)

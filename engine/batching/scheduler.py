@@ -170,7 +170,7 @@ class Scheduler:
             if -(-len(req.tokens) // self.block_size) > self.cache.num_blocks:
                 plan.failed.append((req, self._too_big_prompt(req)))
                 continue
-            if cfg.share_wait and self._shares_uncached(req):
+            if cfg.share_wait and self._shares_uncached(req, plan):
                 skipped.append(req)
                 continue
             try:
@@ -267,7 +267,7 @@ class Scheduler:
             f"{self.cache.num_blocks}: raise max_cached_tokens"
         )
 
-    def _shares_uncached(self, req: Request) -> bool:
+    def _shares_uncached(self, req: Request, plan: Plan) -> bool:
         """Whether ``req`` shares at least one block it does not find cached with a request still prefilling
         (which will cache it): then ``req`` had better wait and find it cached."""
         prefilling = [r for r in self.running if r.remaining > 1 and r.namespace == req.namespace]
@@ -280,8 +280,14 @@ class Scheduler:
             common = _common_prefix(req.tokens, other.tokens, min(limit - 1, other.commit_limit))
             if (common // bs) * bs > cached:
                 if self.hybrid is not None and common // bs * bs > other.computed:
-                    # where they part is where a snapshot pays: the running one keeps its state there
-                    other.state_points = sorted({*other.state_points, common // bs})
+                    # where they part is where a snapshot pays: the running one keeps its state there (its chunk
+                    # planned for this step, if it runs past that point, ends there)
+                    point = common // bs
+                    other.state_points = sorted({*other.state_points, point})
+                    plan.work = [
+                        (r, point * bs - r.computed if r is other and r.computed < point * bs < r.computed + n else n)
+                        for r, n in plan.work
+                    ]
                 return True
         return False
 

@@ -95,20 +95,24 @@ def generate(
             if hy is None:
                 m = rt.cache.match(ids, ns)
                 plans.append(None)
-            else:  # served up to the deepest snapshot the KV match reaches
-                kv_blocks, keys = rt.cache.probe(ids, ns) // rt.block_size, list[bytes]()
-                restored, slot = hy.restore_point(keys, ids, ns, kv_blocks)
-                m = rt.cache.match(ids, ns, max_blocks=restored)
+            else:  # served up to the deepest snapshot the KV match reaches (the tier's included)
+                keys = list[bytes]()
+                a = hy.admit(rt.cache, ids, ns, keys, len(ids))
+                loaded = a.loaded[: max(0, a.restored - a.match.cached_blocks)]
+                m = a.match
+                if loaded:
+                    n = a.match.cached_blocks + len(loaded)
+                    m = MatchResult(m.handle, n * rt.block_size, n, (*m._runs, np.asarray(loaded, dtype=np.int64)))
                 points = hy.points(
-                    restored=restored,
-                    matched=kv_blocks,
+                    restored=a.restored,
+                    matched=max(a.kv, len(a.blocks)),
                     limit=len(ids),
                     prompt_tokens=len(ids),
                     hints=() if hints is None else hints[r],
                 )
-                plans.append(HybridRow(ns, keys, restored, slot, points))
+                plans.append(HybridRow(ns, keys, a.restored, a.slot, points))
             handles.append(m.handle)
-            got: tuple[int, ...] = ()
+            got: tuple[int, ...] = () if plans[-1] is None else loaded
             if rt.tier is not None and hy is None:
                 got = rt.tier.load_after_match(
                     rt.cache, pool, m.handle, ids, [], m.block_ids, (len(ids) - 1) // rt.block_size

@@ -33,7 +33,7 @@ from engine.names import cache_namespace
 from engine.paged import linear
 from engine.paged.runner import PROBE_TOLERANCE, paged_unsupported_reason, probe_difference
 from engine.tier import KVTier, TierBinding, open_tier
-from engine.tier.open import binding_for
+from engine.tier.open import binding_for, open_state_tier, state_binding
 from engine.weights import WeightsSnapshot, describe_change
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.core.checks import check_int
@@ -128,6 +128,7 @@ class ModelRuntime:
         self.block_size = config.block_size
         self.epoch = 0  # bumped whenever the cache is dropped: a call that outlives its cache commits nothing
         self.tier: KVTier | None = None
+        self._state_tier: KVTier | None = None  # a hybrid model's snapshot entries, on the tier's store
         self.hybrid: HybridStates | None = None
         self.pool: KVPool | None = None
         self.specs: list[LayerSpec | None] = []
@@ -149,11 +150,6 @@ class ModelRuntime:
             return
         self.specs = hf_cache.probe_specs(model)
         self.hybrid = self._open_hybrid()
-        if self.hybrid is not None and (config.disk_cache is not None or config.shared_cache is not None):
-            raise ValueError(
-                f"{type(model).__name__} is a hybrid model: the disk and shared tiers hold attention KV only, not its "
-                "recurrent-state snapshots; leave disk_cache / shared_cache unset"
-            )
         num_blocks = self._num_blocks()
         self.cache = PrefixCache(
             CacheConfig(
@@ -180,6 +176,9 @@ class ModelRuntime:
                 max_disk_bytes=config.max_disk_bytes,
                 shared_cache=config.shared_cache,
             )
+        if self.tier is not None and self.hybrid is not None:
+            self._state_tier = open_state_tier(self.tier, state_binding(self.binding(), self.hybrid.spec))
+        self._link_hybrid()
         self.causes = LiveCauses(self.block_size, config.history_bound(num_blocks * self.block_size))
         self._weights = WeightsSnapshot.take(model)
 
@@ -213,6 +212,19 @@ class ModelRuntime:
             interval=config.snapshot_interval,
             check_memory=config.check_memory,
         )
+
+    def _link_hybrid(self) -> None:
+        """Give the hybrid states the K/V pool and tiers they load from and write to (after any of them changed)."""
+        hy = self.hybrid
+        if hy is not None:
+            hy.kv_pool, hy.kv_tier, hy.tier = self.pool, self.tier, self._state_tier
+
+    def _rebind_tiers(self) -> None:
+        """The model's weights, dtype or device changed: the tiers serve entries of the new binding."""
+        if self.tier is not None:
+            self.tier.rebind(self.binding())
+        if self._state_tier is not None and self.hybrid is not None:
+            self._state_tier.rebind(state_binding(self.binding(), self.hybrid.spec))
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -279,8 +291,8 @@ class ModelRuntime:
                 self.hybrid = self._open_hybrid()
             self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
             self.fingerprint = fingerprint(model)
-            if self.tier is not None:
-                self.tier.rebind(self.binding())
+            self._rebind_tiers()
+            self._link_hybrid()
             return
         now = WeightsSnapshot.take(model)
         what = describe_change(model, self._weights, now)
@@ -289,8 +301,7 @@ class ModelRuntime:
             return
         blocks = self.cache.num_cached_blocks
         self.drop()
-        if self.tier is not None:
-            self.tier.rebind(self.binding())
+        self._rebind_tiers()
         if blocks:
             warnings.warn(
                 f"PrefixCachedModel: the model's weights changed since the cache was filled ({what}); "
@@ -330,8 +341,12 @@ class ModelRuntime:
         """Finish the tier's queued writes and close its store (the pool stays usable; the tier is gone)."""
         with self.lock:
             tier, self.tier = self.tier, None
+            states, self._state_tier = self._state_tier, None
+            self._link_hybrid()
             self._engine = None
             self._engine_reason = None
+        if states is not None:  # first: it writes into the store the K/V tier closes
+            states.close()
         if tier is not None:
             tier.close()
 
@@ -419,6 +434,9 @@ class ModelRuntime:
             d["block_hit_rate"] = d["hit_blocks"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
             if self.hybrid is not None:
                 d.update(self.hybrid.stats())
+            if self._state_tier is not None:
+                st = self._state_tier.counters
+                d.update(state_tier_written=st.written_blocks, state_tier_served=st.served_blocks)
             return d
 
     def warn_once(self, message: str, category: type[Warning], stacklevel: int = 4) -> None:

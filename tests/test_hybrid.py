@@ -238,8 +238,8 @@ def test_bad_settings_and_unsupported_models_get_clear_errors(tmp_path):
         PrefixCachedModel(model, max_cached_tokens=512, max_cached_states=0)
     with pytest.raises(PoolTooLargeError, match="recurrent-state pool"):
         PrefixCachedModel(model, max_cached_tokens=512, max_cached_states=10**9)
-    with pytest.raises(ValueError, match="hybrid model"):
-        PrefixCachedModel(model, max_cached_tokens=512, disk_cache=tmp_path)
+    with pytest.raises(ValueError, match="recurrent-state snapshots"):  # a disk tier too small for one snapshot
+        PrefixCachedModel(model, max_cached_tokens=512, disk_cache=tmp_path, max_disk_bytes=40_000)
     import transformers as T
 
     with torch.random.fork_rng(devices=[]):
@@ -318,3 +318,36 @@ def test_items_that_share_exemplars_are_served_them_on_first_sight():
     context = (len(items[0]) - 1) // BS * BS
     assert per_item == [[0, context, context]] + [[150 // BS * BS, context, context]] * 2
     _consistent(pcm)
+
+
+def test_a_disk_tier_keeps_states_with_the_kv_across_a_restart(tmp_path):
+    """The tier holds the K/V blocks and the snapshots, each entry bound to the model: a restarted process serves a
+    prompt from disk on both paths, exactly; a pure-attention model's entries in the same directory are never read
+    by the hybrid one (another binding: a miss)."""
+    model = model_of("qwen3_5")
+    g = torch.Generator().manual_seed(23)
+    ids = torch.tensor([_rand(g, 100)])
+    ref = _gen(model.generate, ids)
+    first = PrefixCachedModel(model, max_cached_tokens=2048, block_size=BS, disk_cache=tmp_path / "a")
+    assert torch.equal(_gen(first.generate, ids), ref)
+    first.close()
+    again = PrefixCachedModel(model, max_cached_tokens=2048, block_size=BS, disk_cache=tmp_path / "a")
+    assert torch.equal(_gen(again.generate, ids), ref)
+    row = again.last_request_stats[0]
+    assert row.cached_tokens == row.tier_tokens == 96
+    assert again.cache_stats()["state_tier_served"] == 1
+    _consistent(again)
+    again.close()
+    engine = PrefixCachedModel(model, max_cached_tokens=2048, block_size=BS, disk_cache=tmp_path / "a")
+    out = engine.generate_batch([ids[0].tolist()], max_new_tokens=NEW, do_sample=False)["req_0"]
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert out.generated_tokens == want[0, 100:].tolist()[: len(out.generated_tokens)] and out.cached_tokens == 96
+    _consistent(engine)
+    engine.close()
+    llama = build("deepseek_v3")  # a pure-attention model writes its entries first
+    other = PrefixCachedModel(llama, max_cached_tokens=2048, block_size=BS, disk_cache=tmp_path / "b")
+    _gen(other.generate, ids)
+    other.close()
+    hybrid = PrefixCachedModel(model, max_cached_tokens=2048, block_size=BS, disk_cache=tmp_path / "b")
+    assert torch.equal(_gen(hybrid.generate, ids), ref) and hybrid.last_request_stats[0].cached_tokens == 0
+    hybrid.close()

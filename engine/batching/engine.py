@@ -329,10 +329,11 @@ class Engine:
         blocks are loaded into own blocks and committed); for a request that takes its cached tokens' log-probs
         from the store, take them, and rewind to the first position the store lacks (those positions are
         recomputed for their logits; their K/V stay where they are)."""
-        req.tier_tokens = 0
-        if self.tier is not None and not req.use_logprob_store:
-            self._from_tier(req)
-        req.fresh_from = req.computed
+        if self.hybrid is None:  # (a hybrid model's admission loaded from the tier already)
+            req.tier_tokens = 0
+            if self.tier is not None and not req.use_logprob_store:
+                self._from_tier(req)
+        req.fresh_from = req.committed * self.cache.block_size  # positions with K/V in the table already
         if not (req.score_from and req.use_logprob_store) or req.logprobs:
             return
         bs = self.cache.block_size
@@ -393,7 +394,7 @@ class Engine:
         if c % bs or b == 0 or b > req.committed or b == req.state_latest:
             return
         keys = hy.keys(req.block_keys, req.tokens, req.namespace, b)
-        hy.publish_slot(keys[b - 1], req.state_slot)
+        hy.publish_slot(keys, b, req.tokens, req.state_slot)
         prev = req.state_latest
         if prev and prev not in req.state_points:
             hy.drop(keys[prev - 1])

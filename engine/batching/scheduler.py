@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.batching.request import Request, Status
 from engine.hybrid.store import HybridStates
-from prefixcache.core.cache import MatchResult, OutOfBlocks, PrefixCache
+from prefixcache.core.cache import OutOfBlocks, PrefixCache, RequestHandle
 
 
 @dataclass(frozen=True)
@@ -199,50 +199,55 @@ class Scheduler:
             return (end // bs) * bs - start
         return n
 
-    def _match(self, req: Request) -> MatchResult | None:
-        """Match and pin ``req``'s cached prefix. A hybrid model's request also takes a live state slot (None: every
-        slot is taken; nothing changed) and is served only up to the deepest snapshot its KV match reaches, whose
-        state goes into its slot; its snapshot points are planned here."""
+    def _match(self, req: Request) -> tuple[RequestHandle, list[int], int] | None:
+        """Match and pin ``req``'s cached prefix: its handle, the pool blocks of the prefix and the tokens it
+        serves. A hybrid model's request also takes a live state slot (None: every slot is taken; nothing changed)
+        and is served only up to the deepest snapshot its KV reaches, the tier's included (``HybridStates.admit``:
+        K/V blocks beyond it stay in its table, attended to but recomputed); the snapshot's state goes into its slot
+        and its snapshot points are planned here."""
         hy, limit = self.hybrid, req.cache_limit
         if hy is None:
-            return self.cache.match(req.tokens[:limit], req.namespace)
+            m = self.cache.match(req.tokens[:limit], req.namespace)
+            return m.handle, list(m.block_ids), m.cached_tokens
         slot = hy.take_live()
         if slot is None:
             return None
         try:
-            kv = self.cache.probe(req.tokens[:limit], req.namespace) // self.block_size
-            restored, snap = hy.restore_point(req.block_keys, req.tokens, req.namespace, kv)
-            m = self.cache.match(req.tokens[:limit], req.namespace, max_blocks=restored)
-            if snap is not None:
-                hy.pool.copy(slot, snap)
+            a = hy.admit(self.cache, req.tokens, req.namespace, req.block_keys, limit)
+            if a.slot is not None:
+                hy.pool.copy(slot, a.slot)
         except BaseException:
             hy.give_back(slot)
             raise
-        req.state_slot, req.has_state = slot, snap is not None
+        req.state_slot, req.has_state = slot, a.slot is not None
+        bs = self.block_size
+        req.tier_tokens = max(0, a.restored - a.match.cached_blocks) * bs
         prompt = len(req.prompt) if not req.scoring else req.commit_limit
         req.state_points = hy.points(
-            restored=restored, matched=kv, limit=limit, prompt_tokens=prompt, hints=req.snapshot_hints
+            restored=a.restored,
+            matched=max(a.kv, len(a.blocks)),
+            limit=limit,
+            prompt_tokens=prompt,
+            hints=req.snapshot_hints,
         )
-        return m
+        return a.match.handle, list(a.blocks), a.restored * bs
 
     def _start(self, req: Request, plan: Plan, budget: int) -> int:
         """Match, pin and allocate for ``req``'s first chunk; returns its tokens this step, or 0 (nothing changed)
         when the pool (or a hybrid model's state pool) is short."""
-        m = self._match(req)
-        if m is None:
+        matched = self._match(req)
+        if matched is None:
             return 0
-        req.handle = m.handle
-        req.table = list(m.block_ids)
-        req.computed = m.cached_tokens
-        req.committed = m.cached_blocks
+        handle, blocks, cached = matched
+        req.handle, req.table, req.computed, req.committed = handle, blocks, cached, len(blocks)
         self._admitted(req)  # may load blocks from the tier (req.tier_tokens)
         if req.cached_tokens < 0:
-            req.cached_tokens = m.cached_tokens + req.tier_tokens
+            req.cached_tokens = req.computed if self.hybrid is not None else cached + req.tier_tokens
         n = 1 if req.remaining == 1 else self._chunk(req, min(req.remaining, self.config.max_chunk_tokens, budget))
         try:
-            req.table.extend(self.cache.allocate(m.handle, self._blocks_needed(req, n)))
+            req.table.extend(self.cache.allocate(handle, max(0, self._blocks_needed(req, n))))
         except OutOfBlocks:
-            self.cache.release(m.handle)
+            self.cache.release(handle)
             if self.hybrid is not None and req.state_slot is not None:
                 self.hybrid.give_back(req.state_slot)
             req.handle, req.table, req.computed, req.committed = None, [], 0, 0

@@ -68,8 +68,9 @@ def prefill(
         at = cut
         if cut % bs == 0 and cut // bs in row.points:
             b = cut // bs
-            hy.keys(row.keys, tokens.tolist(), row.namespace, b)
-            hy.publish_cache(row.keys[b - 1], cache, 0)
+            token_list = tokens.tolist()
+            hy.keys(row.keys, token_list, row.namespace, b)
+            hy.publish_cache(row.keys, b, token_list, cache, 0)
             row.published.append(b)
 
 
@@ -157,8 +158,5 @@ class BoundaryCapture(StoppingCriteria):
             return 0
         b = kept[0] // self.hy.block_size
         self.hy.keys(keys, tokens, namespace, b)
-        slot, fresh = self.hy.index.put(keys[b - 1])
-        if fresh:
-            for key, t in kept[1].items():
-                self.hy.pool.tensors[key][slot].copy_(t)
+        self.hy.publish_tensors(keys, b, tokens, kept[1])
         return b

@@ -10,14 +10,35 @@ snapshot, and the restore rule (a request is served up to the deepest snapshot i
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from engine.hybrid.states import StatePool, StateSpec
+from engine.tier.kv_tier import KVTier, block_tokens, write_rows
+from prefixcache.core.cache import MatchResult, PrefixCache
 from prefixcache.core.hashing import extend_block_keys
 from prefixcache.core.snapshots import SnapshotIndex, snapshot_points
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What ``HybridStates.admit`` found: the pinned match (``match.cached_blocks`` <= ``restored``), the pool's KV
+    match ``kv`` (blocks), the snapshot it restores (``restored`` blocks, from ``slot``; 0 and None: from scratch),
+    and the pool blocks loaded from the tier after the match (committed, in order)."""
+
+    match: MatchResult
+    kv: int
+    restored: int
+    slot: int | None
+    loaded: tuple[int, ...]
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The pool blocks of the request's cached prefix (the match's, then the tier's)."""
+        return (*self.match.block_ids, *self.loaded)
 
 
 class HybridStates:
@@ -48,6 +69,9 @@ class HybridStates:
         self.hash_seed = hash_seed
         self.interval = interval
         self.tokenwise = tokenwise
+        self.tier: KVTier | None = None  # the second tier's snapshot entries (set by the runtime), or None
+        self.kv_tier: KVTier | None = None  # the second tier's K/V entries, and the pool they load into
+        self.kv_pool: Any = None
         self._free_live = list(range(live - 1, -1, -1))
 
     # ---- keys and the policy ----------------------------------------------------------------------------------
@@ -56,12 +80,52 @@ class HybridStates:
         return extend_block_keys(keys, tokens, namespace, self.block_size, self.hash_seed, upto)
 
     def restore_point(self, keys: list[bytes], tokens: Any, namespace: str, matched: int) -> tuple[int, int | None]:
-        """The deepest snapshot among a request's first ``matched`` blocks (its KV match): ``(blocks, slot)``, or
-        ``(0, None)``. Refreshes it."""
+        """The deepest snapshot among a request's first ``matched`` blocks (its KV match, the tier's included):
+        ``(blocks, slot)``, or ``(0, None)``; one the tier holds deeper than any in the pool is loaded into a
+        snapshot slot (a torn or foreign entry is a miss). Refreshes it."""
         if matched <= 0:
             return 0, None
         self.keys(keys, tokens, namespace, matched)
-        return self.index.deepest(keys, matched)
+        b, slot = self.index.deepest(keys, matched)
+        tier = self.tier
+        if tier is None or b >= matched:
+            return b, slot
+        held = tier.holds(keys[b:matched])
+        for deeper in range(matched, b, -1):
+            if not held[deeper - b - 1]:
+                continue
+            rows = tier.fetch([keys[deeper - 1]], block_tokens(tokens, self.block_size, deeper - 1, deeper))
+            if len(rows) == 0:
+                continue
+            loaded, _ = self.index.put(keys[deeper - 1])
+            write_rows(self.pool, rows, [loaded], tier.binding)
+            tier.counters.served_blocks += 1
+            return deeper, loaded
+        return b, slot
+
+    def admit(self, cache: PrefixCache, tokens: Any, namespace: str, keys: list[bytes], limit: int) -> Admission:
+        """Match a request's prompt ``tokens[:limit]`` and pin it up to the deepest snapshot its KV reaches, the
+        second tier's K/V and snapshots included (the K/V blocks it serves from the tier are loaded into the pool
+        and committed; a torn entry stops the load, and the request is served from a shallower snapshot). Changes
+        the cache (pins, counts) and, when the tier serves, the pool and the snapshot pool."""
+        bs = self.block_size
+        kv = cache.probe(tokens[:limit], namespace) // bs
+        tier = self.kv_tier
+        extra = 0
+        if tier is not None and (limit - 1) // bs > kv:
+            self.keys(keys, tokens, namespace, (limit - 1) // bs)
+            extra = tier.lookup(keys, kv, (limit - 1) // bs)
+        restored, slot = self.restore_point(keys, tokens, namespace, kv + extra)
+        m = cache.match(tokens[:limit], namespace, max_blocks=min(restored, kv))
+        loaded: tuple[int, ...] = ()
+        if restored > kv:
+            assert tier is not None
+            loaded = tier.load_after_match(
+                cache, self.kv_pool, m.handle, tokens, keys, m.block_ids, restored, found=restored - kv
+            )
+            if len(loaded) < restored - kv:  # a torn or lost K/V entry: serve a snapshot within what loaded
+                restored, slot = self.index.deepest(keys, kv + len(loaded))
+        return Admission(m, kv, restored, slot, loaded)
 
     def points(
         self, *, restored: int, matched: int, limit: int, prompt_tokens: int, hints: Iterable[int] = ()
@@ -78,19 +142,45 @@ class HybridStates:
         )
 
     # ---- snapshots ---------------------------------------------------------------------------------------------
-    def publish_slot(self, key: bytes, src: int) -> int:
-        """Keep the state in slot ``src`` as the snapshot named ``key`` (a copy); returns its slot."""
-        slot, fresh = self.index.put(key)
+    def publish_slot(self, keys: list[bytes], b: int, tokens: Any, src: int) -> int:
+        """Keep the state in slot ``src`` (after ``tokens``' first ``b`` blocks, whose keys ``keys`` holds) as a
+        snapshot (a copy; written through to the tier); returns its slot."""
+        slot, fresh = self.index.put(keys[b - 1])
         if fresh:
             self.pool.copy(slot, src)
+            self._write_through(keys, b, tokens, slot)
         return slot
 
-    def publish_cache(self, key: bytes, cache: DynamicCache, row: int) -> int:
-        """Keep batch row ``row`` of ``cache``'s recurrent state as the snapshot named ``key``; returns its slot."""
-        slot, fresh = self.index.put(key)
+    def publish_cache(self, keys: list[bytes], b: int, tokens: Any, cache: DynamicCache, row: int) -> int:
+        """Keep batch row ``row`` of ``cache``'s recurrent state (after ``tokens``' first ``b`` blocks) as a snapshot
+        (written through to the tier); returns its slot."""
+        slot, fresh = self.index.put(keys[b - 1])
         if fresh:
             self.pool.save_cache(cache, row, slot)
+            self._write_through(keys, b, tokens, slot)
         return slot
+
+    def publish_tensors(self, keys: list[bytes], b: int, tokens: Any, state: dict[Any, torch.Tensor]) -> int:
+        """Keep ``state`` (a copy of one sequence's tensors, by pool key) as the snapshot after ``tokens``' first
+        ``b`` blocks (written through to the tier); returns its slot."""
+        slot, fresh = self.index.put(keys[b - 1])
+        if fresh:
+            for key, t in state.items():
+                self.pool.tensors[key][slot].copy_(t)
+            self._write_through(keys, b, tokens, slot)
+        return slot
+
+    def _write_through(self, keys: list[bytes], b: int, tokens: Any, slot: int) -> None:
+        """Queue the snapshot in ``slot`` (named ``keys[b - 1]``) for the tier: one entry, not a path (a snapshot
+        stands alone; the tier must not think it holds the boundaries before it)."""
+        tier = self.tier
+        if tier is None:
+            return
+        try:
+            tier.save(self.pool, [keys[b - 1]], 0, block_tokens(tokens, self.block_size, b - 1, b), [slot])
+        except Exception as exc:  # best effort, as for K/V: the snapshot stays in the pool
+            tier.counters.write_errors += 1
+            tier._failed(exc, "queueing a snapshot")
 
     def drop(self, key: bytes) -> None:
         """Forget the snapshot named ``key`` (a request's superseded latest boundary)."""

@@ -14,7 +14,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -44,6 +44,10 @@ class TierBinding:
     block_size: int
     hash_seed: int
     layers: tuple[tuple[int, int, int, int] | None, ...]  # per layer: K heads, K dim, V heads, V dim (None: no KV)
+    # a hybrid model's recurrent-state snapshots (engine.hybrid): their tensors (layer, index, kind, shape, dtype)
+    # and bytes; None: the entries hold K/V
+    state: tuple[tuple[Any, ...], ...] | None = None
+    state_bytes: int = 0
 
     @property
     def digest(self) -> bytes:
@@ -51,7 +55,9 @@ class TierBinding:
 
     @property
     def kv_bytes(self) -> int:
-        """K/V bytes of one block."""
+        """Payload bytes of one entry: the K/V of one block, or one recurrent-state snapshot."""
+        if self.state is not None:
+            return self.state_bytes
         per_token = sum(kh * kd + vh * vd for layer in self.layers if layer is not None for kh, kd, vh, vd in [layer])
         return per_token * self.item_size * self.block_size
 
@@ -61,7 +67,8 @@ class TierBinding:
         return HEADER.size + self.block_size * TOKEN_BYTES + self.kv_bytes
 
     def describe(self) -> str:
-        return f"model {self.model}, weights {self.weights}, {self.dtype}, block_size {self.block_size}"
+        what = "recurrent states" if self.state is not None else "K/V"
+        return f"{what} of model {self.model}, weights {self.weights}, {self.dtype}, block_size {self.block_size}"
 
 
 def checksum(tokens: bytes | memoryview, kv: bytes | memoryview) -> int:

@@ -76,9 +76,16 @@ class KVTier:
     index's budget (None: unlimited; ignored for a shared store, whose server keeps its own)."""
 
     def __init__(
-        self, store: Any, binding: TierBinding, capacity_blocks: int | None, *, max_queue_bytes: int = MAX_QUEUE_BYTES
+        self,
+        store: Any,
+        binding: TierBinding,
+        capacity_blocks: int | None,
+        *,
+        max_queue_bytes: int = MAX_QUEUE_BYTES,
+        owns_store: bool = True,
     ) -> None:
         self.store = store
+        self.owns_store = owns_store  # False: a second tier of entries on another tier's store (hybrid states)
         self.binding = binding
         self.prefix = binding.digest
         self.kv_bytes = binding.kv_bytes
@@ -96,12 +103,12 @@ class KVTier:
         self._pending: dict[bytes, tuple[bytes, torch.Tensor, int]] = {}
         self.kv_at = HEADER.size + binding.block_size * 4
         self._closed = False
-        if store.capped:
+        if store.capped and owns_store:
             self._warn(
                 f"{store.name}: the tier budget of {store.requested_bytes:,} bytes exceeds the disk's free space; "
                 f"capped to {store.max_bytes:,} bytes"
             )
-        if store.readonly:
+        if store.readonly and owns_store:
             self._warn(f"{store.name}: the directory is read-only; serving the entries it holds, writing none")
         self._restore()
         self._thread = threading.Thread(target=self._run, name="prefixcache-tier-writer", daemon=True)
@@ -177,6 +184,20 @@ class KVTier:
             self._failed(exc, "lookup")
             return 0
         return next((i for i, h in enumerate(have) if not h), len(have))
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the tier holds each of ``keys`` (not a path: each on its own). Changes nothing."""
+        if self.index is not None:
+            with self._cv:
+                return [k in self.index for k in keys]
+        if not keys or not self._available():
+            return [False] * len(keys)
+        try:
+            return list(self.store.contains([self.prefix + k for k in keys]))
+        except StoreError as exc:
+            self.counters.read_errors += 1
+            self._failed(exc, "lookup")
+            return [False] * len(keys)
 
     def fetch(self, keys: Sequence[bytes], tokens: Sequence[bytes]) -> torch.Tensor:
         """The checked K/V rows ``[k, kv_bytes]`` of the first ``k`` of ``keys`` (whose token bytes are ``tokens``)
@@ -257,15 +278,18 @@ class KVTier:
         keys: list[bytes],
         matched: Sequence[int],
         limit: int,
+        found: int | None = None,
     ) -> tuple[int, ...]:
         """Continue ``handle``'s pinned match (pool blocks ``matched``, the first blocks of ``tokens``) in the tier,
         up to ``limit`` blocks: the blocks found are loaded into blocks of the request's own, then committed to the
         tree by id (``cache.commit_blocks``, which moves the pin), so a failed load leaves nothing in the tree.
         Returns the pool ids of the blocks after ``matched`` now cached (empty: the tier had none, or the pool had
-        no room). ``keys``: the request's keys so far (extended here). Changes the cache and the pool."""
+        no room). ``keys``: the request's keys so far (extended here). ``found``: the blocks a ``lookup`` just said
+        the tier holds after ``matched`` (None: look them up here). Changes the cache and the pool."""
         bs, have = self.binding.block_size, len(matched)
         self.keys_upto(keys, tokens, handle.namespace, limit)
-        found = self.lookup(keys, have, limit)
+        if found is None:
+            found = self.lookup(keys, have, limit)
         if found == 0:
             return ()
         rows = self.fetch(keys[have : have + found], block_tokens(tokens, bs, have, have + found))
@@ -423,7 +447,8 @@ class KVTier:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=10)
-        self.store.close()
+        if self.owns_store:
+            self.store.close()
 
     def stats(self) -> dict[str, Any]:
         """The tier's counters (index and store side) and occupancy. Changes nothing."""
@@ -447,12 +472,17 @@ def _flush_at_exit(ref: weakref.ReferenceType[KVTier]) -> None:
 
 
 def _layer_sides(pool: Any) -> list[torch.Tensor]:
+    """The tensors an entry's payload is laid out from, each ``[heads, blocks, width]``: a KV pool's K and V of
+    every layer; a recurrent-state pool's tensors (``engine.hybrid.states.StatePool``) as ``[1, slots, numel]``."""
+    tensors = getattr(pool, "tensors", None)
+    if tensors is not None:
+        return [t.view(1, t.shape[0], -1) for t in tensors.values()]
     return [t for i in range(pool.num_layers) if (pair := pool.layer(i)) is not None for t in pair]
 
 
 def read_rows(pool: Any, block_ids: Sequence[int], out: torch.Tensor) -> None:
-    """Copy the K/V of pool blocks ``block_ids`` into ``out`` (uint8 ``[n, kv_bytes]`` on the CPU, rows may be
-    strided): per layer and side one gather and one copy into place. Changes ``out``."""
+    """Copy the payload of pool blocks (or state slots) ``block_ids`` into ``out`` (uint8 ``[n, kv_bytes]`` on the
+    CPU, rows may be strided): per tensor one gather and one copy into place. Changes ``out``."""
     n = len(block_ids)
     with torch.inference_mode(False):
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=pool.device)
@@ -466,17 +496,19 @@ def read_rows(pool: Any, block_ids: Sequence[int], out: torch.Tensor) -> None:
 
 
 def write_rows(pool: Any, rows: torch.Tensor, block_ids: Sequence[int], binding: TierBinding) -> None:
-    """Write entry rows ``[n, kv_bytes]`` (uint8) into pool blocks ``block_ids``. Changes those blocks."""
+    """Write entry payload rows ``[n, kv_bytes]`` (uint8) into pool blocks (or state slots) ``block_ids``, each tensor
+    from its bytes in its own dtype. Changes those blocks."""
     with torch.inference_mode(False):
         n = len(block_ids)
-        vals = rows.to(pool.device).view(pool.dtype)
+        raw = rows.to(pool.device)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=pool.device)
         at = 0
         for t in _layer_sides(pool):
             heads, _, width = t.shape
-            part = vals[:, at : at + heads * width].reshape(n, heads, width).transpose(0, 1)
+            size = heads * width * t.element_size()
+            part = raw[:, at : at + size].contiguous().view(t.dtype).reshape(n, heads, width).transpose(0, 1)
             t.index_copy_(1, idx, part)
-            at += heads * width
+            at += size
 
 
 def block_tokens(tokens: Tokens, block_size: int, start: int, stop: int) -> list[bytes]:

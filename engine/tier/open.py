@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,6 +43,35 @@ def binding_for(model: Any, fingerprint: str, specs: Any, block_size: int, hash_
     )
 
 
+STATE_SHARE = 4  # a hybrid model's disk tier keeps recurrent-state snapshots in 1/STATE_SHARE of its budget
+
+
+def state_binding(kv: TierBinding, spec: Any) -> TierBinding:
+    """The binding of a hybrid model's snapshot entries (``spec``: its ``engine.hybrid.states.StateSpec``): the KV
+    binding's model, weights, dtype, block size and hash seed, with the state's tensors."""
+    return replace(kv, state=spec.describe(), state_bytes=spec.bytes_per_snapshot)
+
+
+def open_state_tier(tier: KVTier, binding: TierBinding) -> KVTier:
+    """A tier of a hybrid model's recurrent-state snapshots on ``tier``'s store (its entries bound to ``binding``,
+    so they never mix with K/V entries), with 1/``STATE_SHARE`` of a disk tier's budget (the KV tier keeps the
+    rest). Raises ValueError when that share holds no snapshot."""
+    store = tier.store
+    capacity = None
+    if not store.shared:
+        capacity = store.max_bytes // STATE_SHARE // binding.entry_bytes
+        if capacity < 1:
+            raise ValueError(
+                f"max_disk_bytes={store.max_bytes:,}: its share for recurrent-state snapshots "
+                f"({store.max_bytes // STATE_SHARE:,} bytes) holds none (one is {binding.entry_bytes:,} bytes); raise it"
+            )
+        assert tier.index is not None and tier.index.capacity_blocks is not None
+        tier.index.capacity_blocks = max(
+            1, (store.max_bytes - store.max_bytes // STATE_SHARE) // tier.binding.entry_bytes
+        )
+    return KVTier(store, binding, capacity, owns_store=False)
+
+
 def open_tier(
     binding: TierBinding,
     *,
@@ -69,4 +99,13 @@ def open_tier(
     return KVTier(store, binding, store.max_bytes // binding.entry_bytes)
 
 
-__all__ = ["DEFAULT_DISK_BYTES", "StoreError", "binding_for", "open_tier", "parse_bytes", "weights_digest"]
+__all__ = [
+    "DEFAULT_DISK_BYTES",
+    "StoreError",
+    "binding_for",
+    "open_state_tier",
+    "open_tier",
+    "parse_bytes",
+    "state_binding",
+    "weights_digest",
+]

@@ -152,7 +152,7 @@ def generate(
             pool.surrender_buffers()  # the caller now holds the cache, which lives in them
         inserted = [0] * batch
         if rt.epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
-            inserted = _commit_or_drop(rt, out, cache, matches, pads, width, gc, live, plans, capture)
+            inserted = _commit_or_drop(rt, out, cache, _Rows(matches, pads, width, gc, live, plans, capture))
         stats = tuple(
             RowStats(len(row), m.cached_tokens, n + t, *lr.causes[:6], *lr.causes[7:], lr.fork, t * rt.block_size)
             for row, m, n, lr, t in zip(rows, matches, inserted, live, tiered)
@@ -163,24 +163,27 @@ def generate(
             _release_all(rt, handles)
 
 
-def _commit_or_drop(
-    rt: ModelRuntime,
-    out: Any,
-    cache: Any,
-    matches: list[MatchResult],
-    pads: list[int],
-    width: int,
-    gc: Any,
-    live: list[LiveRequest],
-    plans: list[HybridRow | None],
-    capture: BoundaryCapture | None,
-) -> list[int]:
+@dataclass
+class _Rows:
+    """What one call knows of its input rows when it commits: their matches, left padding, padded width, the
+    generation config, miss-cause records, hybrid plans, and the decode-time state capture (hybrid models)."""
+
+    matches: list[MatchResult]
+    pads: list[int]
+    width: int
+    gc: Any
+    live: list[LiveRequest]
+    plans: list[HybridRow | None]
+    capture: BoundaryCapture | None
+
+
+def _commit_or_drop(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list[int]:
     """``_commit_outputs``; if that fails, drop the cache (blocks may be in the tree without their KV: never serve
     them) and take this call's blocks out of the counters again, then re-raise."""
     stats = rt.cache.stats
     counted = stats.blocks_inserted, stats.blocks_not_cached
     try:
-        return _commit_outputs(rt, out, cache, matches, pads, width, gc, live, plans, capture)
+        return _commit_outputs(rt, out, cache, rows)
     except BaseException:
         rt.drop()
         stats.blocks_inserted, stats.blocks_not_cached = counted
@@ -257,21 +260,11 @@ def _prepare_row(
     return row_cache
 
 
-def _commit_outputs(
-    rt: ModelRuntime,
-    out: Any,
-    cache: Any,
-    matches: list[MatchResult],
-    pads: list[int],
-    width: int,
-    gc: Any,
-    live: list[LiveRequest],
-    plans: list[HybridRow | None],
-    capture: BoundaryCapture | None,
-) -> list[int]:
+def _commit_outputs(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list[int]:
     """Commit every output row's full blocks (prompt + generated up to its first EOS) and scatter their K/V (and
-    write them through to the tier, or, for a hybrid model, keep its request-end state snapshot); returns the
-    blocks inserted per input row. ``live``: each input row's miss-cause record, told what was committed."""
+    write them through to the tier; for a hybrid model, keep its request-end state snapshot); returns the blocks
+    inserted per input row. Each input row's miss-cause record is told what was committed."""
+    matches, pads, width, gc, live = rows.matches, rows.pads, rows.width, rows.gc, rows.live
     seqs = out if isinstance(out, torch.Tensor) else out.sequences
     kv_len = hf_cache.seq_length(cache)  # the last generated token has no KV yet
     per_input = seqs.shape[0] // len(matches)  # num_return_sequences rows follow their input row
@@ -295,9 +288,9 @@ def _commit_outputs(
             inserted[r] += len(res.block_ids)
         if rt.tier is not None:  # also when nothing is new: the path's recency moves
             rt.tier.save_path(rt.kv_pool, committed, handle.namespace, [], res.first_block, res.block_ids)
-        plan = plans[r]
-        if capture is not None and plan is not None:
-            capture.publish(i, res.cached_blocks * rt.block_size, list(plan.keys), committed, plan.namespace)
+        plan = rows.plans[r]
+        if rows.capture is not None and plan is not None:
+            rows.capture.publish(i, res.cached_blocks * rt.block_size, list(plan.keys), committed, plan.namespace)
     return inserted
 
 

@@ -168,6 +168,7 @@ CAUSE_COLUMNS = (
     "partial_block_tokens",
     "namespace_tokens",
     "not_cached_tokens",
+    "no_state_tokens",
 )
 
 
@@ -189,7 +190,7 @@ def _brute_force_causes(prompts: list[list[int]], cached: list[int], bs: int) ->
             t = max(t, k)
         seen = min(t // bs * bs, s)  # leading full blocks committed earlier
         assert cached[i] == seen, i  # no eviction: the cache served all of them
-        out.append((max(0, s - t), 0, 0, (n - s) + (min(t, s) - seen), 0, 0))
+        out.append((max(0, s - t), 0, 0, (n - s) + (min(t, s) - seen), 0, 0, 0))
     return out
 
 

@@ -55,6 +55,7 @@ class RowStats:
     shared_with: int | None = None
     divergence: Fork | None = None  # with diverged tokens: the tokens each side of where it departs
     tier_tokens: int = 0  # of ``cached_tokens``, served by the second tier (disk or shared)
+    no_state_tokens: int | None = None  # a hybrid row's cached KV that no recurrent-state snapshot reached
 
 
 def generate(
@@ -92,6 +93,7 @@ def generate(
         for r, (row, name) in enumerate(zip(rows, names)):
             ns = rt.namespace(name)
             ids = as_token_array(row.detach().cpu())
+            kv_cached: int | None = None  # a hybrid row: its KV match, which may reach past its snapshot
             if hy is None:
                 m = rt.cache.match(ids, ns)
                 plans.append(None)
@@ -111,6 +113,8 @@ def generate(
                     hints=() if hints is None else hints[r],
                 )
                 plans.append(HybridRow(ns, keys, a.restored, a.slot, points))
+                # the KV this row could have been served (the pool's and the tier's, up to what a match may serve)
+                kv_cached = min(max(a.kv, len(a.blocks)), (len(ids) - 1) // rt.block_size) * rt.block_size
             handles.append(m.handle)
             got: tuple[int, ...] = () if plans[-1] is None else loaded
             if rt.tier is not None and hy is None:
@@ -122,7 +126,7 @@ def generate(
                     m = MatchResult(m.handle, n * rt.block_size, n, (*m._runs, np.asarray(got, dtype=np.int64)))
             matches.append(m)
             tiered.append(len(got))
-            live.append(rt.causes.request(ids, ns, m.cached_tokens))
+            live.append(rt.causes.request(ids, ns, m.cached_tokens, kv_cached=kv_cached))
         # a hybrid row's suffix is always prefilled on its own: its state must see no padding
         ready = matches[0].cached_tokens if batch == 1 and hy is None else width - 1
         bufs = pool.buffers(batch * copies, width + _new_tokens_bound(rt, gc, kwargs, width))
@@ -154,7 +158,16 @@ def generate(
         if rt.epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
             inserted = _commit_or_drop(rt, out, cache, _Rows(matches, pads, width, gc, live, plans, capture))
         stats = tuple(
-            RowStats(len(row), m.cached_tokens, n + t, *lr.causes[:6], *lr.causes[7:], lr.fork, t * rt.block_size)
+            RowStats(
+                len(row),
+                m.cached_tokens,
+                n + t,
+                *lr.causes[:6],
+                *lr.causes[8:],
+                lr.fork,
+                t * rt.block_size,
+                lr.causes.no_state,
+            )
             for row, m, n, lr, t in zip(rows, matches, inserted, live, tiered)
         )
         return out, stats

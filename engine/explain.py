@@ -38,7 +38,17 @@ def probe(rt: ModelRuntime, tokens: Any, name: str = "default") -> int:
     with rt.lock:
         if not rt.is_current():
             return 0
-        return rt.cache.probe(tokens, rt.namespace(name))
+        return served(rt, tokens, rt.namespace(name), rt.cache.probe(tokens, rt.namespace(name)))
+
+
+def served(rt: ModelRuntime, tokens: Any, namespace: str, kv_tokens: int) -> int:
+    """Of ``kv_tokens`` leading tokens whose KV the pool holds, those a call would be served: a hybrid model's up to
+    its deepest snapshot there. Changes nothing."""
+    hy = rt.hybrid
+    if hy is None or kv_tokens == 0:
+        return kv_tokens
+    keys = hy.keys([], tokens, namespace, kv_tokens // rt.block_size)
+    return hy.index.deepest(keys, kv_tokens // rt.block_size, touch=False)[0] * rt.block_size
 
 
 def explain(rt: ModelRuntime, input_ids: Any, name: str = "default", *, context: int = 16) -> Explanation:
@@ -55,12 +65,13 @@ def explain(rt: ModelRuntime, input_ids: Any, name: str = "default", *, context:
     ns = rt.namespace(name)
     with rt.lock:
         d = rt.cache.divergence(ids, ns, context=context)
-        why = rt.causes.request(ids, ns, d.cached_tokens, count=False).causes
+        cached = served(rt, ids, ns, d.cached_tokens)
+        why = rt.causes.request(ids, ns, cached, count=False, kv_cached=d.cached_tokens).causes
     prompt_next = tuple(ids[d.common_tokens : d.common_tokens + context].tolist())
     decode = getattr(rt.tokenizer, "decode", None)
     return Explanation(
         len(ids),
-        d.cached_tokens,
+        cached,
         d.common_tokens,
         prompt_next,
         d.cached_next,

@@ -337,6 +337,7 @@ def _replay_one(
                 rs.partial_block_tokens,
                 rs.namespace_tokens,
                 rs.not_cached_tokens,
+                rs.no_state_tokens,
                 None,  # no reuse distances: the wrapper learns its requests as they come
                 rs.shared_tokens,
                 rs.shared_with,

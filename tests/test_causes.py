@@ -275,8 +275,39 @@ def test_live_causes_forget_past_their_window():
         lr = live.request(a, "default", m.cached_tokens)
         live.committed(lr, a, cache.commit(m.handle))
         cache.release(m.handle)
-        assert sum(lr.causes[:6]) == 16 - m.cached_tokens
+        assert sum(lr.causes[:7]) == 16 - m.cached_tokens
         assert lr.causes.partial_block == 4 and m.cached_tokens == (0 if k == 0 else 12)
+
+
+def test_live_no_state_lies_between_the_served_tokens_and_the_kv_match():
+    """A hybrid model is served only up to its deepest recurrent-state snapshot: the cached KV past it is no_state,
+    what its KV match does not reach any more is evicted (by hand: an 18-token prompt, blocks of 4)."""
+    bs = 4
+    live = LiveCauses(bs)
+    cache = PrefixCache(CacheConfig(num_blocks=4, block_size=bs))
+    a = np.arange(100, 118, dtype=np.int32)  # 18 tokens: 16 servable, the last block (2 tokens) never
+    b = np.arange(500, 509, dtype=np.int32)  # commits 2 blocks, evicting a's last 2 (LRU, leaf first)
+
+    def serve(p: np.ndarray, snapshot_blocks: int | None = None):
+        kv = cache.probe(p)
+        m = cache.match(p, max_blocks=snapshot_blocks)
+        lr = live.request(p, "default", m.cached_tokens, kv_cached=None if snapshot_blocks is None else kv)
+        live.committed(lr, p, cache.commit(m.handle))
+        cache.release(m.handle)
+        assert sum(lr.causes[:7]) == len(p) - m.cached_tokens
+        return m.cached_tokens, lr.causes
+
+    assert serve(a)[1][:7] == (16, 0, 0, 2, 0, 0, 0)  # cold
+    cached, c = serve(a, snapshot_blocks=1)  # KV for 16 tokens, a snapshot after block 1 only
+    assert cached == 4 and (c.no_state, c.evicted, c.partial_block, c.cold) == (12, 0, 2, 0)
+    serve(b)
+    assert cache.probe(a) == 8  # a's blocks 2 and 3 are gone
+    cached, c = serve(a, snapshot_blocks=1)
+    assert cached == 4 and (c.no_state, c.evicted, c.partial_block, c.cold) == (4, 8, 2, 0)
+    with pytest.raises(ValueError, match="kv_cached"):
+        live.request(a, "default", 8, kv_cached=4)
+    with pytest.raises(ValueError, match="kv_cached"):
+        live.request(a, "default", 4, kv_cached=20)  # beyond the 16 servable tokens
 
 
 # ---- the counts add up on real workloads ----------------------------------------------------------------------------

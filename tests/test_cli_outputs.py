@@ -74,7 +74,7 @@ def check_content(option: str, data: bytes) -> None:
     if option == "--json":
         d = json.loads(data)
         if "version" in d:  # a run record (simulate, replay, report)
-            assert d["version"] == 3 and d["runs"] and len(d["totals"]) == len(d["runs"])
+            assert d["version"] == 4 and d["runs"] and len(d["totals"]) == len(d["runs"])
         elif "command" in d:  # an explanation
             assert d["source"] == str(SAMPLE) and d["runs"] and "causes" in d["runs"][0]
         else:  # a plan

@@ -16,6 +16,7 @@ def row(i: int, *, warmup: bool = False, prompt: int = 40, **causes: int) -> Row
     """A row of ``prompt`` tokens whose uncached tokens are ``causes`` (the rest cached)."""
     fields = {f"{c}_tokens": causes.get(c, 0) for c in ("cold", "evicted", "diverged", "partial_block", "namespace")}
     fields["not_cached_tokens"] = causes.get("not_cached", 0)
+    fields["no_state_tokens"] = causes.get("no_state", 0)
     uncached = sum(fields.values())
     return Row(
         i,
@@ -83,6 +84,7 @@ def test_fixes_by_tokens_with_cold_last_and_warmup_left_out():
         "partial_block": 4,
         "namespace": 6,
         "not_cached": 0,
+        "no_state": 0,
     }
     found = fixes(run)
     # most tokens first among the avoidable ones (evicted and namespace tie at 6: either order), cold last

@@ -121,3 +121,19 @@ def test_replay_records_divergence_points(tmp_path):
     why = tmp_path / "why.json"
     assert CliRunner().invoke(cli.app, ["explain", str(out), "--json", str(why)]).exit_code == 0
     assert json.loads(why.read_text())["runs"][0]["main_cause"] == "diverged"
+
+
+def test_hybrid_rows_count_kv_without_a_snapshot_as_no_state():
+    """A hybrid model is served only up to its deepest recurrent-state snapshot. With room for one snapshot, a
+    second prompt's snapshot pushes out the first's: sent again, the first prompt's KV is all cached (36 tokens,
+    blocks of 4) but nothing reaches it, so all 36 count as no_state (not evicted) and the causes still add up."""
+    model, _ = load_model("tiny-hybrid")
+    pcm = PrefixCachedModel(model, max_cached_tokens=4096, block_size=BS, max_cached_states=1)
+    p, q = list(range(10, 50)), list(range(100, 140))
+    for ids in (p, q, p):
+        generate(pcm, ids)
+    (r,) = pcm.last_request_stats
+    assert (r.cached_tokens, r.no_state_tokens, r.evicted_tokens, r.cold_tokens) == (0, 36, 0, 0)
+    assert pcm.probe(torch.tensor(p)) == 36  # the KV is there
+    causes = (r.cold_tokens, r.evicted_tokens, r.diverged_tokens, r.partial_block_tokens, r.namespace_tokens)
+    assert sum(causes) + r.not_cached_tokens + r.no_state_tokens == r.prompt_tokens - r.cached_tokens

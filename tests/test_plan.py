@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 
 import numpy as np
@@ -211,3 +212,88 @@ def test_cli_plan_says_which_dtype_it_sized_kv_with(conv_slice):
     res = runner.invoke(app, ["plan", str(conv_slice), "--model", "small", "--dtype", "bf16", "--points", "3"])
     assert res.exit_code == 0, res.output
     assert "bf16 (from --dtype) = 36,864 bytes per token" in res.stderr
+
+
+# ---- hybrid models: snapshots beside the KV blocks ------------------------------------------------------------
+def brute_force_sites(trace) -> int:
+    """Snapshot sites by their definition: prefixes (namespace, path) where a request ends, or that two different
+    longer prefixes continue."""
+    ends, children = set(), {}
+    for i in range(len(trace)):
+        path = tuple(trace.hash_ids(i).tolist())
+        ns = trace.namespace[i]
+        ends.add((ns, path))
+        for k in range(1, len(path)):
+            children.setdefault((ns, path[:k]), set()).add(path[k])
+    return len(ends | {node for node, kids in children.items() if len(kids) >= 2})
+
+
+def test_snapshot_sites_by_hand_and_brute_force():
+    from prefixcache.sim.plan import snapshot_sites, snapshots_for
+
+    # paths 1-2-4 and 3-5-6: every block but 1 ends a request, none has two children
+    tr = trace_from_lists([[1, 2], [3], [1, 2, 4], [3, 5], [1, 2], [3, 5, 6], [1, 2, 4]], block_size=1)
+    assert snapshot_sites(canonical_blocks(tr)) == 5
+    # a shared prefix 1-2 that two requests leave: 2 is a site although no request ends there; the same ids in
+    # another namespace are other blocks
+    tr = trace_from_lists([[1, 2, 3], [1, 2, 4], [1, 2, 3]], block_size=1, namespace=["a", "a", "b"])
+    assert snapshot_sites(canonical_blocks(tr)) == 3 + 1
+    for seed in range(5):
+        tr = sessions_trace(seed)
+        assert snapshot_sites(canonical_blocks(tr)) == brute_force_sites(tr)
+    assert [snapshots_for(c, 10, 100) for c in (1, 10, 11, 100, 1000)] == [1, 1, 2, 10, 10]
+
+
+def test_hybrid_plan_counts_snapshots_in_its_gb(conv_slice):
+    tr = load_trace(conv_slice)
+    hybrid, small = PRESETS["small-hybrid"], PRESETS["small"]
+    sites = brute_force_sites(tr)
+    plan = make_plan(tr, points=5, model=hybrid)
+    W, bs = plan.working_set_blocks, plan.block_size
+    assert plan.snapshot_sites == sites and plan.fixed_snapshots is None
+    for a in plan.answers:
+        snaps = min(sites, math.ceil(a.capacity_blocks * sites / W))
+        assert a.snapshots == snaps == plan.snapshots(a.capacity_blocks)
+        # 6,144 B of KV per token (3 attention layers), 1,990,656 B per snapshot (9 gated delta nets)
+        assert a.gb == pytest.approx((a.capacity_blocks * bs * 6_144 + snaps * 1_990_656) / 1e9)
+    assert plan.gb(W) == pytest.approx((W * bs * 6_144 + sites * 1_990_656) / 1e9)
+    fixed = make_plan(tr, points=5, model=hybrid, snapshots=64)
+    assert [a.capacity_blocks for a in fixed.answers] == [a.capacity_blocks for a in plan.answers]  # same rates
+    for a in fixed.answers:
+        assert a.snapshots == 64 and a.gb == pytest.approx((a.capacity_blocks * bs * 6_144 + 64 * 1_990_656) / 1e9)
+    # a pure-attention model: KV only, as before
+    plain = make_plan(tr, points=5, model=small)
+    assert plain.snapshot_sites is None and plain.snapshots(10) is None
+    assert all(
+        a.snapshots is None and a.gb == pytest.approx(a.capacity_blocks * bs * 73_728 / 1e9) for a in plain.answers
+    )
+    with pytest.raises(ValueError, match="needs a hybrid model"):
+        make_plan(tr, points=5, model=small, snapshots=8)
+    with pytest.raises(ValueError, match="second tier"):
+        make_plan(tr, points=5, model=hybrid, pools=[100])
+
+
+def test_cli_plan_hybrid(conv_slice, tmp_path):
+    from prefixcache.cli import app
+
+    runner = CliRunner()
+    args = ["plan", str(conv_slice), "--model", "small-hybrid", "--points", "4", "--no-bound"]
+    res = runner.invoke(app, [*args, "--json", str(tmp_path / "p.json"), "--html", str(tmp_path / "p.html")])
+    assert res.exit_code == 0, res.output
+    assert "3 attention layers (of 12) x 4 KV heads x head dim 64, float32" in res.stderr
+    assert "= 6,144 bytes per token" in res.stderr and "= 1,990,656 bytes per snapshot" in res.stderr
+    assert "snapshots" in res.stdout
+    doc = json.loads((tmp_path / "p.json").read_text())
+    sites = brute_force_sites(load_trace(conv_slice))
+    assert doc["model"]["state_bytes"] == 1_990_656 and doc["snapshots"] == {"sites": sites, "fixed": None}
+    assert all(a["snapshots"] >= 1 for a in doc["answers"] if a["blocks"])
+    assert "recurrent state" in (tmp_path / "p.html").read_text()
+    res = runner.invoke(app, [*args, "--snapshots", "64", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["snapshots"] == {"sites": sites, "fixed": 64}
+    res = runner.invoke(app, ["plan", str(conv_slice), "--model", "small", "--snapshots", "8"])
+    assert res.exit_code == 2 and "hybrid" in res.output
+    res = runner.invoke(app, [*args, "--pool-capacity", "64k"])
+    assert res.exit_code == 2 and "second tier" in res.output
+    res = runner.invoke(app, ["plan", str(conv_slice), "--model", "small", "--points", "3", "--json", "-"])
+    assert res.exit_code == 0 and "snapshots" not in json.loads(res.stdout)  # pure attention: as before

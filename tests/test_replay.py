@@ -168,6 +168,7 @@ CAUSE_COLUMNS = (
     "partial_block_tokens",
     "namespace_tokens",
     "not_cached_tokens",
+    "no_state_tokens",
 )
 
 
@@ -189,7 +190,7 @@ def _brute_force_causes(prompts: list[list[int]], cached: list[int], bs: int) ->
             t = max(t, k)
         seen = min(t // bs * bs, s)  # leading full blocks committed earlier
         assert cached[i] == seen, i  # no eviction: the cache served all of them
-        out.append((max(0, s - t), 0, 0, (n - s) + (min(t, s) - seen), 0, 0))
+        out.append((max(0, s - t), 0, 0, (n - s) + (min(t, s) - seen), 0, 0, 0))
     return out
 
 
@@ -217,7 +218,7 @@ def test_identical_caching_gives_identical_causes_equal_to_the_simulation(tiny, 
     assert _causes(a) == _causes(b)
     assert _causes(a) == _brute_force_causes(prompts, [r.cached_tokens for r in a], bs)
     # by hand: p1 has 8 tokens cached, shares 10 with p0, S = 12: 2 cold, (16 - 12) + (10 - 8) partial_block
-    assert _causes(a)[11] == (2, 0, 0, 6, 0, 0)
+    assert _causes(a)[11] == (2, 0, 0, 6, 0, 0, 0)
     reqs = from_scenario(sc, bs)  # commits = prompts, as the model's (its one new token has no KV yet)
     for cap, rows in ((small, a), (unlimited, b)):
         assert _causes(simulate_replay(reqs, cap).rows) == _causes(rows)

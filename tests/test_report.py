@@ -168,3 +168,47 @@ def test_ttft_scatter_has_a_cached_and_an_uncached_series_per_column():
     m = _rows(True)[4:]
     assert series[1].y == tuple(1000 * r.ttft_uncached_s for r in m)
     assert series[0].color == series[1].color != series[2].color  # a column's two series share its colour
+
+
+def _cause_rows(no_state: bool = True) -> list[Row]:
+    """Three rows of 48 prompt tokens, their uncached tokens split by hand: cold, and (``no_state``) 16 tokens of
+    the last row whose KV was cached but no snapshot reached (else cold too)."""
+    rows = []
+    for i, cached in enumerate((16, 0, 16)):
+        ns = 16 if no_state and i == 2 else 0
+        zero = dict.fromkeys(("evicted", "diverged", "partial_block", "namespace", "not_cached"), 0)
+        causes = {f"{c}_tokens": v for c, v in zero.items()}
+        row = Row(i, "default", 48, cached, 3, cached // 16, 0, 0, 3, shared_tokens=0, **causes)
+        rows.append(row._replace(cold_tokens=48 - cached - ns, no_state_tokens=ns))
+    return rows
+
+
+def test_no_state_round_trips_and_older_records_load_with_zero(tmp_path):
+    from prefixcache.reports.causes_report import cause_table
+
+    rec = build_record("replay", "x.yaml", {}, [RunResult(Capacity(8), 8, 16, tuple(_cause_rows()))])
+    save_record(rec, tmp_path / "r.json")
+    raw = json.loads((tmp_path / "r.json").read_text())
+    assert raw["version"] == 4 and raw["runs"][0]["rows"]["no_state_tokens"] == [0, 0, 16]
+    back = load_record(tmp_path / "r.json")
+    assert back == rec and back.totals()[0]["no_state_tokens"] == 16
+    assert ["  no_state", "16 (11.1%)"] in cause_table(back).rows  # 16 of 144 prompt tokens
+    # the causes must still add up to the uncached tokens
+    raw["runs"][0]["rows"]["no_state_tokens"][2] = 15
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(InputError, match="add up"):
+        load_record(tmp_path / "bad.json")
+    # version 3 (and 1, 2) wrote no such column: rows with causes load with 0, rows without with null
+    plain = build_record("replay", "x.yaml", {}, [RunResult(Capacity(8), 8, 16, tuple(_cause_rows(False)))])
+    old = to_json(plain)
+    old["version"] = 3
+    del old["runs"][0]["rows"]["no_state_tokens"]
+    (tmp_path / "v3.json").write_text(json.dumps(old))
+    loaded = load_record(tmp_path / "v3.json")
+    assert loaded.runs == plain.runs and [r.no_state_tokens for r in loaded.runs[0].rows] == [0, 0, 0]
+    assert not any(row[0] == "  no_state" for row in cause_table(loaded).rows)  # a line only when non-zero
+    no_causes = to_json(build_record("simulate", "x", {}, [RunResult(Capacity(8), 8, 16, tuple(_rows()))]))
+    no_causes["version"] = 2
+    del no_causes["runs"][0]["rows"]["no_state_tokens"]
+    (tmp_path / "v2.json").write_text(json.dumps(no_causes))
+    assert all(r.no_state_tokens is None for r in load_record(tmp_path / "v2.json").runs[0].rows)

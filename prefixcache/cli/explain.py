@@ -112,7 +112,8 @@ def explain(
     progress: opt.ProgressOpt = True,
 ) -> None:
     """Say why prefill was not saved: uncached tokens by cause (cold, evicted, diverged, partial_block,
-    namespace, not_cached), the divergence points that cost the most, and what to change.
+    namespace, not_cached; no_state in a hybrid model's replay), the divergence points that cost the most, and
+    what to change.
 
     A scenario or trace is simulated first (same options as simulate); a run record is explained as it ran.
     """

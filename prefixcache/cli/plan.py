@@ -45,13 +45,25 @@ def plan(
     ] = None,
     model: Annotated[
         str | None,
-        typer.Option(help="Model for GB answers: preset (tiny, small) or a transformers config.json (or its folder)."),
+        typer.Option(
+            help="Model for GB answers: a preset (tiny, small, tiny-hybrid, small-hybrid) or a transformers "
+            "config.json (or its folder). A hybrid model's answers count its recurrent-state snapshots too."
+        ),
     ] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="Model layers (with --kv-heads, --head-dim).")] = None,
     kv_heads: Annotated[int | None, typer.Option(min=1, help="KV heads per layer.")] = None,
     head_dim: Annotated[int | None, typer.Option(min=1, help="Dimension of one head.")] = None,
     dtype: Annotated[
         str | None, typer.Option(help="KV dtype: bf16, fp16, fp32, fp8 (default: the model's, else bf16).")
+    ] = None,
+    snapshots: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Hybrid model: recurrent-state snapshots to size memory for at every capacity (the engine's "
+            "max_cached_states). Default: one per snapshot site the cache holds (where a request's path ends or "
+            "paths part), in proportion to the capacity.",
+        ),
     ] = None,
     warmup: opt.WarmupOpt = 0.0,
     keep_for: opt.KeepForOpt = None,
@@ -110,6 +122,14 @@ def plan(
         shape = resolve_model(model, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    hybrid = shape is not None and shape.hybrid
+    if snapshots is not None and not hybrid:
+        raise UsageError("--snapshots sizes a hybrid model's recurrent-state snapshots: give one with --model")
+    if pool_capacity and hybrid:
+        raise UsageError(
+            f"--pool-capacity: {model} is a hybrid model; a second tier holds attention KV only, not its "
+            "recurrent-state snapshots (the engine refuses one for such a model)"
+        )
     read_bytes, read_tokens = opt.read_rate(tier_read_rate)
     if not (prefill_rate > 0 and math.isfinite(prefill_rate)):
         raise UsageError(f"--prefill-rate must be a positive number of tokens per second, got {prefill_rate}")
@@ -130,6 +150,8 @@ def plan(
     )
     if shape is not None:
         console.info(kv_line(shape, dtype is not None))
+        if hybrid:
+            console.info(state_line(shape, snapshots))
     assert all(p in POLICIES for p in policies)
     pools: list[int] = []
     rates = None
@@ -157,6 +179,7 @@ def plan(
             progress=console.info,
             pools=pools,
             tier_rates=rates,
+            snapshots=snapshots,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -182,6 +205,16 @@ def kv_line(shape: KVShape, dtype_given: bool) -> str:
     """What the GB figures assume: the model's K/V shape and the dtype it was sized with (and where from)."""
     where = "from --dtype" if dtype_given else "the default here; --dtype to change"
     return (
-        f"KV sized for {shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x head dim {shape.head_dim}, "
-        f"{shape.dtype} ({where}) = {shape.bytes_per_token:,} bytes per token"
+        f"KV sized for {shape.name}: {shape.layers_text()}, {shape.dtype} ({where}) = "
+        f"{shape.bytes_per_token:,} bytes per token"
     )
+
+
+def state_line(shape: KVShape, snapshots: int | None) -> str:
+    """What a hybrid model's GB figures add: one recurrent-state snapshot, and how many are counted."""
+    count = (
+        f"{snapshots:,} snapshots at every capacity (--snapshots)"
+        if snapshots is not None
+        else "one snapshot per snapshot site the cache holds (--snapshots N to fix the count)"
+    )
+    return f"recurrent state of {shape.name}: {shape.state_text()} per snapshot; GB = KV blocks + {count}"

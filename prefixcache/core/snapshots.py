@@ -71,15 +71,18 @@ class SnapshotIndex:
         """The slot holding ``key``'s snapshot, or None. Changes nothing."""
         return self._lru.get(key)
 
-    def deepest(self, keys: Sequence[Hashable], upto: int) -> tuple[int, int | None]:
+    def deepest(self, keys: Sequence[Hashable], upto: int, *, touch: bool = True) -> tuple[int, int | None]:
         """The deepest snapshot among the first ``upto`` blocks of a path (``keys[b - 1]`` names snapshot ``b``):
-        ``(b, slot)``, or ``(0, None)`` when there is none. Refreshes the one found; counts a lookup."""
-        self.stats.lookups += 1
+        ``(b, slot)``, or ``(0, None)`` when there is none. With ``touch`` (a restore) refreshes the one found and
+        counts a lookup; without, changes nothing."""
+        if touch:
+            self.stats.lookups += 1
         for b in range(min(upto, len(keys)), 0, -1):
             slot = self._lru.get(keys[b - 1])
             if slot is not None:
-                self._lru.move_to_end(keys[b - 1])
-                self.stats.restored += 1
+                if touch:
+                    self._lru.move_to_end(keys[b - 1])
+                    self.stats.restored += 1
                 return b, slot
         return 0, None
 

@@ -33,6 +33,7 @@ COLORS = {  # one colour per cause, the same in every report
     "partial_block": "#ff7f0e",
     "namespace": "#9467bd",
     "not_cached": "#8c564b",
+    "no_state": "#17becf",
 }
 assert set(COLORS) == set(CAUSES)
 
@@ -110,7 +111,7 @@ def run_fixes(record: RunRecord) -> list[tuple[str, Fix]]:
     return out
 
 
-BY_CAPACITY = ("evicted", "not_cached")  # the causes whose counts depend on the capacity
+BY_CAPACITY = ("evicted", "not_cached", "no_state")  # the causes whose counts depend on the capacity
 
 
 def fix_lines(record: RunRecord) -> list[str]:

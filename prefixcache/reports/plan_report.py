@@ -54,11 +54,13 @@ def settings(plan: Plan) -> list[tuple[str, str]]:
         lines.append(
             (
                 "model KV",
-                f"{m.name}: {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} dims x "
-                f"{m.dtype} = {m.bytes_per_token:,} B/token, "
+                f"{m.name}: {m.layers_text()} x {m.dtype} = {m.bytes_per_token:,} B/token, "
                 f"{m.bytes_per_block(plan.block_size):,} B/block",
             )
         )
+        if m.hybrid:
+            lines.append(("recurrent state", f"one snapshot: {m.state_text()}"))
+            lines.append(("snapshots", snapshot_rule(plan)))
     if plan.keep_for is not None:
         lines.append(("retention", f"every request keeps its prefix {plan.keep_for:g} s (priority policy)"))
     if "optimal" in plan.rates:
@@ -72,13 +74,33 @@ def settings(plan: Plan) -> list[tuple[str, str]]:
     return lines
 
 
+def snapshot_rule(plan: Plan) -> str:
+    """How a hybrid model's snapshots were counted (see ``prefixcache.sim.plan``)."""
+    if plan.fixed_snapshots is not None:
+        return f"{plan.fixed_snapshots:,} at every capacity (--snapshots); GB = KV blocks + snapshots"
+    sites, w = plan.snapshot_sites or 0, plan.working_set_blocks
+    return (
+        f"one per snapshot site the cache holds (a block where a request's path ends or paths part): {sites:,} in "
+        f"the working set's {w:,} blocks, so capacity x {sites:,} / {w:,}, rounded up; GB = KV blocks + snapshots"
+    )
+
+
+def _hybrid(plan: Plan) -> bool:
+    return plan.model is not None and plan.model.hybrid
+
+
 # ---- tables ---------------------------------------------------------------------------------------------
 def curve_rows(plan: Plan) -> Table:
-    """Hit rate of every curve at the grid capacities."""
-    header = ["blocks", "tokens"] + (["GB"] if plan.model is not None else []) + [_label(n) for n in plan.curve_names]
+    """Hit rate of every curve at the grid capacities (and, for a hybrid model, the snapshots in its GB)."""
+    sizes = (["snapshots"] if _hybrid(plan) else []) + (["GB"] if plan.model is not None else [])
+    header = ["blocks", "tokens", *sizes] + [_label(n) for n in plan.curve_names]
     rows = []
     for k, c in enumerate(plan.grid):
-        row = [f"{c:,}", fmt.short(c * plan.block_size)] + ([fmt.gb(plan.gb(c))] if plan.model is not None else [])
+        row = [f"{c:,}", fmt.short(c * plan.block_size)]
+        if _hybrid(plan):
+            row.append(f"{plan.snapshots(c):,}")
+        if plan.model is not None:
+            row.append(fmt.gb(plan.gb(c)))
         rows.append(row + [f"{plan.rates[n][k]:.2%}" for n in plan.curve_names])
     return Table(header, rows, f"{plan.weight[:-1].capitalize()}-weighted hit rate by capacity")
 
@@ -92,6 +114,8 @@ def curve_table(plan: Plan) -> RichTable:
 def answer_rows(plan: Plan) -> Table:
     """Header and rows: capacity needed for each fraction of the achievable hit rate, per curve."""
     header = ["curve", "share of achievable", "hit rate", "blocks", "tokens"]
+    if _hybrid(plan):
+        header.append("snapshots")
     if plan.model is not None:
         header.append("GB")
     rows = []
@@ -104,6 +128,8 @@ def answer_rows(plan: Plan) -> Table:
             "not reached" if a.capacity_blocks is None else f"{approx}{a.capacity_blocks:,}",
             "-" if a.capacity_tokens is None else f"{approx}{fmt.short(a.capacity_tokens)}",
         ]
+        if _hybrid(plan):
+            row.append("-" if a.snapshots is None else f"{approx}{a.snapshots:,}")
         if plan.model is not None:
             row.append("-" if a.gb is None else f"{approx}{fmt.gb(a.gb)}")
         rows.append(row)
@@ -211,7 +237,7 @@ def to_dict(plan: Plan, full_curve_points: int = 512) -> dict[str, Any]:
     caps = np.unique(np.round(np.geomspace(1, W, num=min(W, full_curve_points))).astype(np.int64))
     lru = plan.lru.rates(plan.weight)
     m = plan.model
-    return {
+    out: dict[str, Any] = {
         "trace": plan.trace,
         "order": plan.order,
         "weight": plan.weight,
@@ -251,6 +277,14 @@ def to_dict(plan: Plan, full_curve_points: int = 512) -> dict[str, Any]:
         "tiers": _tier_dict(plan),
         "seconds": plan.seconds,
     }
+    if m is not None and (m.hybrid or m.latent_dim):  # keys pure-attention plans never had
+        out["model"].update(latent_dim=m.latent_dim, total_layers=m.total_layers, recurrent_layers=m.recurrent_layers)
+    if m is not None and m.hybrid:
+        out["model"]["state_bytes"] = m.state_bytes
+        out["snapshots"] = {"sites": plan.snapshot_sites, "fixed": plan.fixed_snapshots}
+        for entry, a in zip(out["answers"], plan.answers):
+            entry["snapshots"] = a.snapshots
+    return out
 
 
 def write_json(plan: Plan, path: str | Path) -> str:
@@ -281,10 +315,17 @@ def plot_png(plan: Plan) -> bytes:
     ax.set_xlabel(f"cache capacity (blocks of {plan.block_size} tokens)")
     ax.set_ylabel(f"{plan.weight[:-1]}-weighted hit rate")
     ax.grid(True, which="both", alpha=0.25)
-    if plan.model is not None:
-        per = plan.model.bytes_per_block(plan.block_size) / 1e9
+    m = plan.model
+    if m is not None:
+        per = m.bytes_per_block(plan.block_size) / 1e9
+        what = f"GB of KV ({m.name}, {m.dtype})"
+        if m.hybrid and plan.fixed_snapshots is None:  # snapshots grow with the capacity: per block, on average
+            per += m.state_bytes * (plan.snapshot_sites or 0) / max(1, plan.working_set_blocks) / 1e9
+            what = f"GB of KV and snapshots ({m.name}, {m.dtype})"
+        elif m.hybrid:
+            what = f"GB of KV ({m.name}, {m.dtype}; + {fmt.gb(m.gb(0, 1, plan.fixed_snapshots or 0))} of snapshots)"
         sec = ax.secondary_xaxis("top", functions=(lambda b: b * per, lambda g: g / per))
-        sec.set_xlabel(f"GB of KV ({plan.model.name}, {plan.model.dtype})")
+        sec.set_xlabel(what)
     else:
         bs = plan.block_size
         sec = ax.secondary_xaxis("top", functions=(lambda b: b * bs, lambda t: t / bs))

@@ -1,9 +1,9 @@
 """The run record: what ``simulate`` and ``replay`` measured, as a typed value and as versioned JSON.
 
-JSON layout, version 3 (``report`` renders it; version 1 files, whose rows were a list of objects, and version
-2 files, without the second tier, still load)::
+JSON layout, version 4 (``report`` renders it; version 1 files, whose rows were a list of objects, version 2
+files, without the second tier, and version 3 files, without ``no_state_tokens``, still load)::
 
-    {"version": 3, "command": "simulate"|"replay", "partial": bool, "created": ISO time, "source": path,
+    {"version": 4, "command": "simulate"|"replay", "partial": bool, "created": ISO time, "source": path,
      "settings": {...},                                  # what the run was asked to do
      "totals": [ {capacity_tokens, capacity_blocks, pool_blocks, block_size, requests, prompt_tokens,
                   cached_tokens, token_hit_rate, block_hit_rate, ...}, ... ],   # one per capacity
@@ -20,7 +20,8 @@ for other readers and recomputed on load). Rows say why their uncached tokens mi
 these existed load with null causes and no divergences. Version 3 adds the second tier: a run's ``tier``
 (absent or null: none) and the row columns ``tier_tokens``, ``tier_blocks``, ``tier_used_blocks`` (null without
 a tier; a row's ``cached_tokens`` and ``hit_blocks`` count pool and tier together, so the tier's part is at most
-them).
+them). Version 4 adds the miss cause ``no_state_tokens`` (a hybrid model's cached KV that no recurrent-state
+snapshot reached); rows of older files load with 0 there (null where they carry no causes).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from prefixcache.sim.policy import Capacity
 from prefixcache.sim.results import CAUSE_FIELDS, ROW_FIELDS, Row, RunResult
 from prefixcache.workload.files import input_file, read_text
 
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 MAX_RECORD_BYTES = 2**33  # 8 GiB: a bound for a pipe that never ends, far above any real record
 TOP_SITES = 50  # divergence points a record keeps
 
@@ -172,6 +173,7 @@ _ROW_SPEC: dict[str, tuple[str, bool]] = {
     "partial_block_tokens": ("int", True),
     "namespace_tokens": ("int", True),
     "not_cached_tokens": ("int", True),
+    "no_state_tokens": ("int", True),
     "reuse_blocks": ("int", True),
     "shared_tokens": ("int", True),
     "shared_with": ("int", True),
@@ -241,9 +243,16 @@ class _Reader:
         if unknown:
             raise self.fail(where, f"unknown column {sorted(unknown)[0]!r}")
         n: int | None = None
-        columns = []
+        columns: list[list[Any]] = []
         for name in ROW_FIELDS:
             col = raw.get(name)
+            if (
+                name == "no_state_tokens"
+                and version < 4
+                and (col is None or (isinstance(col, list) and all(v is None for v in col)))
+            ):
+                # written before this cause: 0 wherever the row carries causes (the cold column is read already)
+                col = [None if c is None else 0 for c in columns[ROW_FIELDS.index("cold_tokens")]]
             if col is None and name in _ROW_DEFAULTS:
                 col = [_ROW_DEFAULTS[name]] * (n or 0) if n is not None else None
             if not isinstance(col, list):

@@ -15,7 +15,10 @@ reply), whatever the capacity: what an unlimited cache would hold. From it:
 
 The n - c uncached tokens split, in order along the prompt, into::
 
-    [c, A_same)       evicted or not_cached   committed earlier in this namespace, gone now: ``not_cached`` for
+    [c, K)            no_state                (hybrid models, live caches only) the KV of these tokens was
+                                              cached (K: the KV match) but no recurrent-state snapshot of the
+                                              model reached them, so they were recomputed; K = c otherwise
+    [K, A_same)       evicted or not_cached   committed earlier in this namespace, gone now: ``not_cached`` for
                                               blocks whose latest commit did not fit (the pool was full of
                                               pinned blocks), ``evicted`` for the others (they were cached,
                                               then evicted)
@@ -65,7 +68,7 @@ from prefixcache.sim.lru_stack import LruStack
 from prefixcache.sim.requests import CacheRequests
 from prefixcache.sim.results import CAUSE_FIELDS
 
-CAUSES = tuple(CAUSE_FIELDS)  # cold, evicted, diverged, partial_block, namespace, not_cached
+CAUSES = tuple(CAUSE_FIELDS)  # cold, evicted, diverged, partial_block, namespace, not_cached, no_state
 MIN_RUN = 16  # diverged content must recur in runs of at least max(block_size, MIN_RUN) tokens
 CONTEXT = 24  # tokens kept on each side of a divergence point, to show what differs
 
@@ -79,6 +82,7 @@ class Causes(NamedTuple):
     partial_block: int
     namespace: int
     not_cached: int
+    no_state: int  # a hybrid model's cached KV that no recurrent-state snapshot reached (live caches only)
     reuse_blocks: int | None  # LRU capacity (blocks) that would have kept every evicted block; None: none evicted
     shared_tokens: int  # t: the longest common prefix with any earlier sequence
     shared_with: int | None  # the earlier request of that sequence
@@ -198,6 +202,7 @@ class WorkloadCauses:
                 diverged,
                 partial,
                 namespace,
+                repeat(0),
                 repeat(0),
                 repeat(None),
                 self.shared_tokens,
@@ -375,7 +380,7 @@ class CauseTracker:
             if commit.not_cached:
                 failed.update(path[commit.cached_blocks : commit.cached_blocks + commit.not_cached])
         u = self.intact[i]
-        return Causes(u[0], evicted, u[2], u[3], u[4], not_cached, reuse, u[7], u[8])
+        return Causes(u[0], evicted, u[2], u[3], u[4], not_cached, 0, reuse, u[8], u[9])
 
 
 # ---- a live cache (the model wrapper) ----------------------------------------------------------------------------
@@ -413,24 +418,36 @@ class LiveCauses:
         self.requests = 0
         self._forget()
 
-    def request(self, prompt: np.ndarray, namespace: str, cached: int, *, count: bool = True) -> LiveRequest:
-        """The causes of ``prompt`` (int32 tokens), which the cache just matched with ``cached`` tokens. Changes
-        only the request count (not even that without ``count``: a question about a prompt not served)."""
+    def request(
+        self, prompt: np.ndarray, namespace: str, cached: int, *, count: bool = True, kv_cached: int | None = None
+    ) -> LiveRequest:
+        """The causes of ``prompt`` (int32 tokens), which the cache just served ``cached`` tokens of. ``kv_cached``
+        (hybrid models): the tokens its KV match covered (``cached <= kv_cached <= servable``; None: ``cached``);
+        the tokens between the two count as ``no_state``: their KV was cached, but no recurrent-state snapshot
+        reached them. Changes only the request count (not even that without ``count``: a question about a prompt
+        not served)."""
         bs = self.block_size
+        kv = cached if kv_cached is None else kv_cached
+        if kv_cached is not None and not cached <= kv <= max(cached, servable(len(prompt), bs)):
+            raise ValueError(
+                f"kv_cached ({kv_cached}) must lie between cached ({cached}) and the servable prompt tokens "
+                f"({servable(len(prompt), bs)})"
+            )
         keys = history_keys(prompt.tobytes(), bs)
-        u, sh, fork = analyse_prompt(self.history, prompt, namespace, keys, cached)
+        u, sh, fork = analyse_prompt(self.history, prompt, namespace, keys, kv)
         not_cached = 0
         if self.failed:
-            for b in range(cached // bs, u.seen_same // bs):
+            for b in range(kv // bs, u.seen_same // bs):
                 if (namespace, keys[b]) in self.failed:
                     not_cached += bs
         causes = Causes(
             u.cold,
-            u.seen_same - cached - not_cached,
+            u.seen_same - kv - not_cached,
             u.diverged,
             u.partial_block,
             u.namespace,
             not_cached,
+            kv - cached,
             None,
             max(sh.tokens, u.seen_same),
             sh.partner,

@@ -237,6 +237,14 @@ def _not_cached(c: _Context) -> str:
     )
 
 
+def _no_state(c: _Context) -> str:
+    return (
+        "the KV of these tokens was cached, but no recurrent-state snapshot of the hybrid model reached them, so they "
+        "were recomputed: keep more snapshots (PrefixCachedModel(max_cached_states=...)), mark where prompts part "
+        "(snapshot hints: chat messages' ends) or snapshot every few blocks (snapshot_interval)"
+    )
+
+
 ADVICE: dict[str, Callable[[_Context], str]] = {
     "cold": _cold,
     "evicted": _evicted,
@@ -244,6 +252,7 @@ ADVICE: dict[str, Callable[[_Context], str]] = {
     "partial_block": _partial_block,
     "namespace": _namespace,
     "not_cached": _not_cached,
+    "no_state": _no_state,
 }
 assert set(ADVICE) == set(CAUSES)
 

@@ -10,6 +10,16 @@
 * answers: the capacity (blocks, tokens and, given a model, GB) that reaches 50/70/90% of the achievable
   hit rate (the unlimited-capacity one).
 
+A hybrid model (recurrent layers beside attention, ``KVShape.hybrid``) is served a prefix only from a
+recurrent-state snapshot at its end (``prefixcache.core.snapshots``), so its GB answers count snapshots beside the
+KV blocks: by default one per *snapshot site* the cache holds. A site is a block where some request's path ends
+(what a chat's next turn or a re-sent prompt restores from) or where paths part (a shared system prompt followed
+by different questions): the deepest block a later request's KV match reaches is always one of them, and the
+engine's policy keeps its snapshots there (request ends, divergence points). The trace's prefix tree has S sites
+in its W blocks; a cache of C blocks, holding part of that tree, is sized for ``ceil(C * S / W)`` (at most S)
+snapshots (``snapshots_for``). ``snapshots`` fixes the count instead (the engine's ``max_cached_states``). The hit
+rates are the KV cache's: those of a hybrid model whose snapshots are all where they are needed.
+
 With a second tier (``tiers``: :class:`TierRates` and the pool sizes to plan for), the RAM-and-disk answer: for
 each pool size P and share X of the achievable hit rate, the smallest tier T (blocks) at which a two-tier replay
 (``prefixcache.sim.replay``, the tier's write-through protocol, LRU) reaches X, found by bisection over replays
@@ -51,6 +61,28 @@ DEFAULT_PREFILL_RATE = 240.0
 DEFAULT_TIER_READ_BYTES = 680e6
 
 
+def snapshot_sites(nt: NodeTrace) -> int:
+    """The snapshot sites of a trace's prefix tree: distinct blocks where a request's path ends or where paths part
+    (a block with two or more children; the root is none: an empty prefix needs no state). Changes nothing."""
+    nodes, offsets = nt.nodes, nt.offsets
+    if len(nodes) == 0:
+        return 0
+    ends = nodes[offsets[1:] - 1]
+    inner = np.ones(len(nodes), dtype=bool)
+    inner[offsets[:-1]] = False  # a request's first block hangs from the root
+    child = nodes[inner]
+    parent = nodes[np.flatnonzero(inner) - 1]
+    _, first = np.unique(child, return_index=True)  # each block has one parent: one edge per distinct child
+    children = np.bincount(parent[first], minlength=nt.num_nodes)
+    return len(np.union1d(ends, np.flatnonzero(children >= 2)))
+
+
+def snapshots_for(blocks: int, sites: int, working_set: int) -> int:
+    """Snapshots a cache of ``blocks`` blocks is sized for: the trace's ``sites`` per block of its ``working_set``,
+    rounded up, at most ``sites`` (module docstring)."""
+    return min(sites, -(-blocks * sites // max(1, working_set)))
+
+
 def replay_rate(reqs: CacheRequests, capacity: int, policy: ReplayPolicy, weight: str) -> float:
     """The measured hit rate (``weight``: "tokens" or "blocks") of one replay at ``capacity`` blocks."""
     t = replay(reqs, Capacity(capacity), policy, causes=False).totals()  # only the hit rate is read
@@ -81,6 +113,7 @@ class Answer:
     capacity_tokens: int | None
     gb: float | None
     exact: bool
+    snapshots: int | None = None  # a hybrid model: the recurrent-state snapshots counted in ``gb``
 
 
 @dataclass(frozen=True)
@@ -104,10 +137,21 @@ class Plan:
     seconds: dict[str, float] = field(default_factory=dict)
     keep_for: float | None = None
     tiers: TierPlan | None = None  # the RAM-and-disk answers (None: not asked for)
+    snapshot_sites: int | None = None  # a hybrid model: the trace's snapshot sites (module docstring)
+    fixed_snapshots: int | None = None  # a hybrid model: snapshots sized for at every capacity (None: by sites)
+
+    def snapshots(self, blocks: int) -> int | None:
+        """The recurrent-state snapshots sized beside ``blocks`` KV blocks (None: not a hybrid model)."""
+        if self.model is None or not self.model.hybrid:
+            return None
+        if self.fixed_snapshots is not None:
+            return self.fixed_snapshots
+        return snapshots_for(blocks, self.snapshot_sites or 0, self.working_set_blocks)
 
     def gb(self, blocks: int) -> float | None:
-        """GB of KV for ``blocks`` blocks of this plan's model (None without a model)."""
-        return None if self.model is None else self.model.gb(blocks, self.block_size)
+        """GB of KV for ``blocks`` blocks of this plan's model, and of its snapshots for a hybrid model (None
+        without a model)."""
+        return None if self.model is None else self.model.gb(blocks, self.block_size, self.snapshots(blocks) or 0)
 
     @property
     def curve_names(self) -> list[str]:
@@ -303,6 +347,7 @@ def make_plan(
     progress: Callable[[str], None] | None = None,
     pools: Sequence[int] = (),
     tier_rates: TierRates | None = None,
+    snapshots: int | None = None,
 ) -> Plan:
     """Compute the plan for ``trace`` (a ``prefixcache.trace.Trace``). Changes nothing.
 
@@ -310,13 +355,24 @@ def make_plan(
     replay per grid capacity); ``points``: size of the log grid; ``bound``: compute the optimal bound;
     ``keep_for``: seconds of retention each request asks for (used by the "priority" policy's replays);
     ``pools``: pool sizes (blocks) to plan a second tier below (with ``tier_rates``, default ``TierRates()``
-    with the model's bytes per token), LRU, in the plan's weight and warm-up.
+    with the model's bytes per token), LRU, in the plan's weight and warm-up; ``snapshots``: a hybrid model's
+    snapshots to size for at every capacity (None: one per snapshot site held, see the module docstring).
     """
     if weight not in WEIGHTS:
         raise ValueError(f"weight must be one of {', '.join(WEIGHTS)}, got {weight!r}")
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(POLICIES))}")
+    hybrid = model is not None and model.hybrid
+    if snapshots is not None and not hybrid:
+        raise ValueError("a snapshot count needs a hybrid model (recurrent layers beside attention)")
+    if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int) or snapshots < 1):
+        raise ValueError(f"snapshots must be an integer >= 1, got {snapshots!r}")
+    if pools and hybrid:
+        raise ValueError(
+            "a second tier holds attention KV only, not a hybrid model's recurrent-state snapshots "
+            "(the engine refuses one for such a model): plan a hybrid model without --pool-capacity"
+        )
     say = progress or (lambda msg: None)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -331,16 +387,21 @@ def make_plan(
     grid = tuple(log_grid(W, points))
     rates: dict[str, tuple[float, ...]] = {}
     answers: list[Answer] = []
+    sites = snapshot_sites(nt) if hybrid else None
 
     def answer(name: str, frac: float, cap: int | None, exact: bool) -> Answer:
+        snaps = None
+        if cap is not None and sites is not None:
+            snaps = snapshots if snapshots is not None else snapshots_for(cap, sites, nt.num_nodes)
         return Answer(
             name,
             frac,
             frac * unlimited,
             cap,
             None if cap is None else cap * nt.block_size,
-            None if cap is None or model is None else model.gb(cap, nt.block_size),
+            None if cap is None or model is None else model.gb(cap, nt.block_size, snaps or 0),
             exact,
+            snaps,
         )
 
     # LRU: every capacity
@@ -432,4 +493,6 @@ def make_plan(
         seconds,
         keep_for,
         tiers,
+        sites,
+        snapshots if hybrid else None,
     )

@@ -42,6 +42,7 @@ class Row(NamedTuple):
     partial_block_tokens: int | None = None
     namespace_tokens: int | None = None
     not_cached_tokens: int | None = None
+    no_state_tokens: int | None = None  # a hybrid model's KV was cached but no recurrent-state snapshot reached it
     reuse_blocks: int | None = None  # LRU capacity (blocks) that would have kept every evicted block
     shared_tokens: int | None = None  # the longest common prefix with any earlier request's sequence
     shared_with: int | None = None  # that earlier request
@@ -60,8 +61,9 @@ CAUSE_FIELDS: dict[str, str] = {  # cause -> its Row field, in the order of pref
     "partial_block": "partial_block_tokens",
     "namespace": "namespace_tokens",
     "not_cached": "not_cached_tokens",
+    "no_state": "no_state_tokens",
 }
-NO_CAUSES: tuple[None, ...] = (None,) * 9  # the cause fields of a row that was not analysed
+NO_CAUSES: tuple[None, ...] = (None,) * 10  # the cause fields of a row that was not analysed
 TIER_FIELDS: tuple[str, ...] = ("tier_tokens", "tier_blocks", "tier_used_blocks")
 NO_TIER: tuple[None, ...] = (None,) * len(TIER_FIELDS)  # the tier fields of a row replayed without a tier
 

@@ -127,8 +127,9 @@ def plan(
         raise UsageError("--snapshots sizes a hybrid model's recurrent-state snapshots: give one with --model")
     if pool_capacity and hybrid:
         raise UsageError(
-            f"--pool-capacity: {model} is a hybrid model; a second tier holds attention KV only, not its "
-            "recurrent-state snapshots (the engine refuses one for such a model)"
+            f"--pool-capacity: {model} is a hybrid model; plan does not model a second tier that holds its "
+            "recurrent-state snapshots beside the KV (the engine keeps a quarter of a disk tier for them): "
+            "plan it without --pool-capacity"
         )
     read_bytes, read_tokens = opt.read_rate(tier_read_rate)
     if not (prefill_rate > 0 and math.isfinite(prefill_rate)):

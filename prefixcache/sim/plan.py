@@ -370,8 +370,8 @@ def make_plan(
         raise ValueError(f"snapshots must be an integer >= 1, got {snapshots!r}")
     if pools and hybrid:
         raise ValueError(
-            "a second tier holds attention KV only, not a hybrid model's recurrent-state snapshots "
-            "(the engine refuses one for such a model): plan a hybrid model without --pool-capacity"
+            "plan does not model a second tier that holds a hybrid model's recurrent-state snapshots beside the KV: "
+            "plan a hybrid model without --pool-capacity"
         )
     say = progress or (lambda msg: None)
     seconds: dict[str, float] = {}

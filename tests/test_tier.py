@@ -446,13 +446,23 @@ def test_two_serve_processes_share_a_prefix_through_redis(tmp_path, tiny):
             first = httpx.post(f"{url_a}/v1/completions", json=body, timeout=120).json()
             assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             deadline = time.monotonic() + 30
-            while True:  # a's writer puts the blocks on the server right after the request
-                second = httpx.post(f"{url_b}/v1/completions", json=body, timeout=120).json()
-                cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-                if cached or time.monotonic() > deadline:
+            while time.monotonic() < deadline:  # a's writer puts the blocks on the server after the request
+                written = _metric(
+                    httpx.get(f"{url_a}/metrics", timeout=30).text, "prefixcache_tier_written_blocks_total"
+                )
+                queued = _metric(httpx.get(f"{url_a}/metrics", timeout=30).text, "prefixcache_tier_queued_bytes")
+                if written >= len(prompt) // BS and queued == 0:
                     break
-                time.sleep(0.5)
+                time.sleep(0.2)
+            second = httpx.post(f"{url_b}/v1/completions", json=body, timeout=120).json()
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == (len(prompt) - 1) // BS * BS
             assert second["choices"][0]["text"] == first["choices"][0]["text"]
             metrics = httpx.get(f"{url_b}/metrics", timeout=30).text
             assert "prefixcache_tier_hit_blocks_total" in metrics
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of metric ``name`` (its first series) in a Prometheus text page."""
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])

@@ -142,10 +142,11 @@ def replay_both(args: argparse.Namespace) -> dict[str, Any]:
 
     scenario = load_scenario(Path(args.replay))
     out: dict[str, Any] = {"scenario": args.replay}
-    for name in (args.reference, args.model):
+    for role, name in (("reference", args.reference), ("hybrid", args.model)):
         results, _ = replay(scenario, [Capacity(None)], model=name, block_size=16)
         t = results[0].totals()
-        out[name] = {
+        out[role] = {
+            "model": name,
             "token_hit_rate": t["token_hit_rate"],
             "prompt_tokens": t["prompt_tokens"],
             "cached_tokens": t["cached_tokens"],
@@ -154,7 +155,7 @@ def replay_both(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_cached_p50_s": t.get("ttft_cached_p50_s"),
             "ttft_uncached_p50_s": t.get("ttft_uncached_p50_s"),
         }
-    out["hit_rate_points_behind"] = 100 * (out[args.reference]["token_hit_rate"] - out[args.model]["token_hit_rate"])
+    out["hit_rate_points_behind"] = 100 * (out["reference"]["token_hit_rate"] - out["hybrid"]["token_hit_rate"])
     return out
 
 
@@ -228,10 +229,9 @@ def main() -> None:
     )
     if "replay" in doc:
         r = doc["replay"]
-        for name in (args.reference, args.model):
-            x = r[name]
+        for x in (r["reference"], r["hybrid"]):
             print(
-                f"  replay {r['scenario']} on {name}: {x['token_hit_rate']:.1%} of prompt tokens cached, outputs "
+                f"  replay {r['scenario']} on {x['model']}: {x['token_hit_rate']:.1%} of prompt tokens cached, outputs "
                 f"{x['outputs_checked'] - x['outputs_mismatched']}/{x['outputs_checked']} equal"
             )
     for family, row in doc.get("families", {}).items():

@@ -59,6 +59,7 @@ TARGETS = (
     Target("readme_results.md", "README.md", "headline-results"),
     Target("tiers_simulation_cluster.md", "docs/tiers-simulation.md", "cluster-shared-tier"),
     Target("tiers_measured.md", "docs/tiers.md", "tier-measured"),
+    Target("hybrid_measured.md", "docs/hybrid.md", "hybrid-measured"),
 )
 
 # Where a JSON keeps the 1-minute load average before and after its run: _meta.py's record first, then the

@@ -51,7 +51,7 @@ def test_simulate_sweep_writes_versioned_record(tmp_path):
     )
     assert r.exit_code == 0, r.output
     rec = json.loads(out.read_text())
-    assert rec["version"] == 3 and rec["command"] == "simulate" and rec["partial"] is False
+    assert rec["version"] == 4 and rec["command"] == "simulate" and rec["partial"] is False
     caps = [t["capacity_blocks"] for t in rec["totals"]]
     assert caps == [40, 100, None]  # smallest first, unlimited last
     trace = load_trace(SAMPLE)

@@ -134,6 +134,9 @@ def test_hybrid_rows_count_kv_without_a_snapshot_as_no_state():
         generate(pcm, ids)
     (r,) = pcm.last_request_stats
     assert (r.cached_tokens, r.no_state_tokens, r.evicted_tokens, r.cold_tokens) == (0, 36, 0, 0)
-    assert pcm.probe(torch.tensor(p)) == 36  # the KV is there
+    # the KV is there, but nothing would be served from it: probe and explain say what a call would get
+    assert pcm.runtime.cache.probe(p, pcm.runtime.namespace("default")) == 36
+    assert pcm.probe(torch.tensor(p)) == 0
+    assert pcm.explain(torch.tensor(p)).causes["no_state"] == 36
     causes = (r.cold_tokens, r.evicted_tokens, r.diverged_tokens, r.partial_block_tokens, r.namespace_tokens)
     assert sum(causes) + r.not_cached_tokens + r.no_state_tokens == r.prompt_tokens - r.cached_tokens

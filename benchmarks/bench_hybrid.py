@@ -14,6 +14,8 @@ exactness, what its cache costs per token, and a chat replay beside a pure-atten
 - Memory: one recurrent-state snapshot's bytes; KV bytes per token of the hybrid and of ``--reference``; bytes per
   cached token of the prefix (its KV plus the snapshots held) against the reference's KV per token.
 - ``--replay SCENARIO``: ``prefixcache replay`` of the scenario on both models (hit rates, outputs checked).
+- ``--serve-peers PATH`` (``../shared/serve_peers/serve_peers.py``): its multi-turn chat through ``prefixcache
+  serve`` on both models (``--serve-rounds``): hit rates as ``serve`` reports them, replies against the bare model.
 - ``--families``: the exactness probe of every hybrid family's tiny random model (``tests/hybrid_testutil.py``): a
   prompt's logits from one forward against two chunks, the second from the saved state, as multi-token chunks and
   one token at a time, float32 and bfloat16; which way the model is run (``tokenwise``).
@@ -159,6 +161,53 @@ def replay_both(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def serve_both(args: argparse.Namespace) -> dict[str, Any]:
+    """``serve_peers.py`` (its chat workload, ``prefixcache serve`` alone) on both models, each saved to a folder
+    under /tmp once: hit rates from the cached tokens ``serve`` reports, and the agreement prompts' replies against
+    the bare model's greedy ones."""
+    import subprocess
+
+    from engine.models import load_model
+
+    out: dict[str, Any] = {"rounds": args.serve_rounds}
+    for role, name in (("reference", args.reference), ("hybrid", args.model)):
+        folder = Path("/tmp/serve-peers") / f"{name}-model"
+        if not (folder / "config.json").exists():
+            model, tok = load_model(name)
+            folder.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(folder)
+            tok.save_pretrained(folder)
+        result = Path("/tmp/serve-peers") / f"bench-hybrid-{name}.json"
+        cmd = [sys.executable, args.serve_peers, "--project", str(Path(__file__).resolve().parents[1])]
+        cmd += [
+            "--servers",
+            "pc",
+            "--rounds",
+            str(args.serve_rounds),
+            "--model-dir",
+            str(folder),
+            "--json",
+            str(result),
+        ]
+        subprocess.run(cmd, check=True)
+        (s,) = [x for x in json.loads(result.read_text())["summary"] if x["phase"] == "closed"]
+        vs_bare = s["agreement_prompts_vs_bare_hf"] or {}
+        out[role] = {
+            "model": name,
+            "requests": s["requests"],
+            "errors": s["errors"],
+            "requests_per_s": s["requests_per_s_median"],
+            "mean_prompt_tokens": s["mean_prompt_tokens"],
+            "mean_cached_tokens": s["mean_cached_tokens"],
+            "token_hit_rate": s["mean_cached_tokens"] / s["mean_prompt_tokens"],
+            "agreement_vs_bare": vs_bare,
+            "agreement_prompts": sum(vs_bare.values()),
+            "agreement_equal": sum(n for how, n in vs_bare.items() if how != "DIFFERENT"),
+        }
+    out["hit_rate_points_behind"] = 100 * (out["reference"]["token_hit_rate"] - out["hybrid"]["token_hit_rate"])
+    return out
+
+
 def families() -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hybrid_testutil import RECURRENT, build
@@ -197,6 +246,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--replay", default=None, help="a scenario to replay on both models (e.g. scenarios/chat.yaml)")
+    ap.add_argument("--serve-peers", default=None, help="serve_peers.py: its chat through `serve` on both models")
+    ap.add_argument("--serve-rounds", type=int, default=1)
     ap.add_argument("--families", action="store_true", help="probe every hybrid family's exactness (tiny models)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -207,6 +258,8 @@ def main() -> None:
     doc["memory"] = memory(args, doc["ttft"])
     if args.replay:
         doc["replay"] = replay_both(args)
+    if args.serve_peers:
+        doc["serve"] = serve_both(args)
     if args.families:
         doc["families"] = families()
     t, m = doc["ttft"], doc["memory"]
@@ -233,6 +286,13 @@ def main() -> None:
             print(
                 f"  replay {r['scenario']} on {x['model']}: {x['token_hit_rate']:.1%} of prompt tokens cached, outputs "
                 f"{x['outputs_checked'] - x['outputs_mismatched']}/{x['outputs_checked']} equal"
+            )
+    if "serve" in doc:
+        for x in (doc["serve"]["reference"], doc["serve"]["hybrid"]):
+            print(
+                f"  serve_peers chat on {x['model']}: {x['token_hit_rate']:.1%} of prompt tokens cached over "
+                f"{x['requests']} requests ({x['errors']} errors), {x['requests_per_s']:.2f} req/s; replies equal to "
+                f"the bare model's {x['agreement_equal']}/{x['agreement_prompts']}"
             )
     for family, row in doc.get("families", {}).items():
         f32, b16 = row["float32"], row["bfloat16"]

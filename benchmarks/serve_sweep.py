@@ -71,7 +71,8 @@ def run_shape(args: argparse.Namespace, shape: str, out: Path) -> None:
         *args.extra,
     ]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    # in the project's directory: serve_peers starts `python -c ...`, whose sys.path begins with the working directory
+    subprocess.run(cmd, check=True, cwd=args.project)
 
 
 def server_figures(summary: dict[str, Any]) -> dict[str, Any]:

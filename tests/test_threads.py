@@ -37,3 +37,13 @@ def test_the_threads_openmp_team_ends_with_it() -> None:
     while os_threads() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert os_threads() == before
+
+
+def test_serve_bounds_the_openmp_spin_unless_the_user_set_it() -> None:
+    from prefixcache.cli.serve import OPENMP_SPIN, bound_openmp_spin
+
+    env: dict[str, str] = {}
+    assert bound_openmp_spin(env) and env == {"GOMP_SPINCOUNT": OPENMP_SPIN}
+    for given in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "passive"}):
+        env = dict(given)
+        assert not bound_openmp_spin(env) and env == given

@@ -1,9 +1,10 @@
 """EngineLoop: serves ``GenerateCall``s on a ``ModelRuntime``'s continuous-batching engine.
 
 One thread steps the engine while it has work (holding the runtime's lock for each step) and, when it has none,
-blocks on the engine's wake-up event (set by a submit, a cancel, ``run_exclusive`` and ``stop``: no timed poll). A call becomes an engine request as soon as it arrives: it joins the next step, whatever is running, and
-streams its tokens as they come (all the tokens of one step reach the event loop in one wake-up). A caller that
-goes away cancels its request: the engine stops it at the next step, caching its blocks and unpinning them.
+blocks on the engine's wake-up event (set by a submit, a cancel, ``run_exclusive`` and ``stop``: no timed poll).
+A call becomes an engine request as soon as it arrives: it joins the next step, whatever is running, and streams
+its tokens as they come (all the tokens of one step reach the event loop in one wake-up). A caller that goes away
+cancels its request: the engine stops it at the next step, caching its blocks and unpinning them.
 ``after_step(finished)`` runs on the engine thread after each step, before the callers of requests that
 finished in it hear so (the Ray replica publishes its cache events there, so the router knows a reply's blocks
 before the client can send its next turn).

@@ -8,7 +8,10 @@ turns of ~60 tokens, 32-token greedy replies: the workload of ``../shared/serve_
 ``round_chats``) against ``Engine`` directly: each client submits its next turn as soon as its reply finishes, the
 loop steps the engine. Printed: requests/s, TTFT, cached tokens, and the split of the engine's busy time into
 scheduling, the forward (and attention inside it), and what follows the forward (log-softmax/sampling, streaming,
-committing blocks); the rest of the wall time is this loop's own Python (chat templates, decoding replies).
+committing blocks); the rest of the wall time is this loop's own Python (chat templates, decoding replies). A
+roofline (``_roofline.py``) sets the forward's achieved GFLOP/s (FLOPs counted from the model's shapes, the tokens
+computed and the attention's (query, key) pairs) against torch.mm's GFLOP/s at the step's mean linear shapes and at
+2048^3 (JSON ``roofline``).
 Compared with ``serve_peers.py --servers pc`` on the same machine, the difference in requests/s is what HTTP, the
 event loop and the engine thread cost. ``cores_busy`` is this process's CPU time over the wall time. With --runs N
 the whole workload is played N times, each on a fresh model and engine: the JSON's top level is the first run,
@@ -35,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import _meta  # noqa: E402
+from _roofline import roofline  # noqa: E402
 from engine import PrefixCachedModel  # noqa: E402
 from engine.batching.request import Request, RequestResult  # noqa: E402
 from engine.batching.sampling import SamplingParams  # noqa: E402
@@ -65,6 +69,8 @@ class Client:
         self.ttft: list[float] = []
         self.cached: list[int] = []
         self.prompts: list[int] = []
+        self.generated = 0  # completion tokens (rows whose logits were taken)
+        self.pairs = 0  # (query token, key) pairs attended, per attention layer
 
     def tokens(self, ids: list[int]) -> None:  # the request's sink: called as tokens come
         if not self.got_first:
@@ -101,6 +107,10 @@ class Client:
         if res.error is not None:
             raise SystemExit(f"request failed: {res.error}")
         self.cached.append(res.cached_tokens)
+        # positions computed: cached .. prompt + output - 2 (the last token is never fed); position p attends p + 1
+        end = res.prompt_tokens + res.completion_tokens - 1
+        self.pairs += end * (end + 1) // 2 - res.cached_tokens * (res.cached_tokens + 1) // 2
+        self.generated += res.completion_tokens
         reply = self.pcm.tokenizer.decode(list(res.output), skip_special_tokens=True).replace("\ufffd", "")
         self.history.append({"role": "assistant", "content": reply})
         return self.submit_next()
@@ -173,6 +183,14 @@ def one_run(args: argparse.Namespace, round_chats: Any) -> dict[str, Any]:
         "preemptions": s.preemptions,
         "cpu_s": cpu,
         "cores_busy": cpu / wall,
+        "roofline": roofline(
+            pcm.model,
+            s.forward_s,
+            s.step_tokens,
+            s.steps,
+            sum(c.generated for c in clients),
+            sum(c.pairs for c in clients),
+        ),
         "time_s": {
             "schedule": s.schedule_s,
             "forward_without_attention": s.forward_s - s.attention_s,
@@ -194,6 +212,26 @@ def one_run(args: argparse.Namespace, round_chats: Any) -> dict[str, Any]:
     for part, sec in result["time_s"].items():
         table.add_row(part.replace("_", " "), f"{sec:.1f}", f"{100 * sec / wall:.1f}%", f"{1000 * sec / s.steps:.2f}")
     console.print(table)
+    r = result["roofline"]
+    roof = Table(title="roofline: the forward's GFLOP/s against torch.mm here")
+    for col in (
+        "forward GFLOP",
+        "achieved GFLOP/s",
+        f"mm peak at m={r['mean_tokens_per_step']}",
+        "share",
+        "mm peak 2048^3",
+        "share",
+    ):
+        roof.add_column(col, justify="right")
+    roof.add_row(
+        f"{r['forward_gflop']:.2f}",
+        f"{r['forward_gflops']:.1f}",
+        f"{r['mm_gflops_at_step_shapes']:.1f}",
+        f"{100 * r['fraction_of_step_shape_peak']:.0f}%",
+        f"{r['mm_gflops_large']:.1f}",
+        f"{100 * r['fraction_of_large_peak']:.0f}%",
+    )
+    console.print(roof)
     return result
 
 

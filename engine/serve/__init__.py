@@ -71,15 +71,20 @@ def run_local(cfg: ServeConfig) -> int:
     from engine.runtime import ModelRuntime
     from engine.serve.app import create_app
     from engine.serve.backend import LocalBackend
+    from engine.threads import run_in_thread
 
-    runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed)
-    backend = LocalBackend(
-        runtime,
-        cfg.model,
-        max_batch_size=cfg.max_batch_size,
-        batch_wait_ms=cfg.batch_wait_ms,
-        use_engine=cfg.use_engine,
-    )
+    def load() -> LocalBackend:
+        runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed)
+        return LocalBackend(
+            runtime,
+            cfg.model,
+            max_batch_size=cfg.max_batch_size,
+            batch_wait_ms=cfg.batch_wait_ms,
+            use_engine=cfg.use_engine,
+        )
+
+    # torch runs on a thread that ends here, so the engine thread's OpenMP team is the process's only one
+    backend = run_in_thread(load)
     app = create_app(backend, default_max_tokens=cfg.default_max_tokens)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
     # uvicorn catches SIGINT/SIGTERM, drains in-flight requests, runs the app's shutdown, then re-raises the

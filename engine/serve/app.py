@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from engine.hybrid.hints import message_ends
 from engine.serve.backend import Backend
+from engine.serve.detokenize import IncrementalText
 from engine.serve.metrics import ServeMetrics
 from engine.serve.protocol import (
     APIError,
@@ -158,23 +159,28 @@ def _finish_reason(f: Finished) -> str:
 
 
 class _Detokenizer:
-    """Text deltas of a growing token list: holds back an incomplete UTF-8 character at the end and, with
-    ``stops``, the tail that could still become a stop string (the text ends before a stop string)."""
+    """Text deltas of a growing token list (``IncrementalText``: only the new ids are decoded): holds back an
+    incomplete UTF-8 character at the end and, with ``stops``, the tail that could still become a stop string (the
+    text ends before a stop string). ``flush`` renders the end from one whole decode, as a non-streamed reply."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
-        self.ids: list[int] = []
+        self.text = IncrementalText(lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
         self.emitted = ""
 
+    @property
+    def ids(self) -> list[int]:
+        return self.text.ids
+
     def push(self, ids: list[int]) -> str:
-        self.ids += ids
-        text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        """Add ``ids``; returns the text to stream now ("" while it is held back)."""
+        if not self.text.push(ids):
             return ""
-        return self._emit(visible(text, self.stops) if self.stops else text)
+        return self._emit(visible(self.text.text, self.stops) if self.stops else self.text.text)
 
     def flush(self) -> str:
+        """The rest of the reply's text (the ids are all in)."""
         text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         return self._emit(cut(text, self.stops) if self.stops else text)
 
@@ -388,13 +394,14 @@ class _Serving:
     async def _sse(
         self, call: GenerateCall, rid: str, fmt: _Format, include_usage: bool, started: float
     ) -> AsyncIterator[str]:
-        """Server-sent events of one call: text deltas, the finish reason, usage if asked, ``[DONE]``."""
-        created = now()
+        """Server-sent events of one call: text deltas, the finish reason, usage if asked, ``[DONE]`` (the last
+        chunks in one write). Every chunk's fixed head (id, object, created, model) is serialised once."""
+        base = {"id": rid, "object": fmt.chunk_object, "created": now(), "model": self.info.model_id}
+        head = "data: " + json.dumps(base)[:-1] + ', "choices": '
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:
-            chunk = {"id": rid, "object": fmt.chunk_object, "created": created, "model": self.info.model_id}
-            chunk.update(choices=choices, **extra)
-            return f"data: {json.dumps(chunk)}\n\n"
+            tail = "".join(f", {json.dumps(k)}: {json.dumps(v)}" for k, v in extra.items())
+            return f"{head}{json.dumps(choices)}{tail}}}\n\n"
 
         detok = _Detokenizer(self.info.tokenizer, call.stop)
         first = True
@@ -403,13 +410,17 @@ class _Serving:
                 async for item in items:
                     if isinstance(item, Finished):
                         self._count(item)
+                        last: list[str] = []
                         tail = detok.flush()
                         if tail or (first and fmt.announce_role):
-                            yield event([fmt.delta(0, tail, None, first)])
-                        yield event([fmt.delta(0, "", _finish_reason(item), False)])
+                            last.append(event([fmt.delta(0, tail, None, first)]))
+                        last.append(event([fmt.delta(0, "", _finish_reason(item), False)]))
                         if include_usage:
-                            yield event([], usage=usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens))
-                        break
+                            u = usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
+                            last.append(event([], usage=u))
+                        last.append("data: [DONE]\n\n")
+                        yield "".join(last)
+                        return
                     if not detok.ids:
                         self.metrics.ttft.observe(time.monotonic() - started)
                     delta = detok.push(item)

@@ -1,9 +1,10 @@
 """EngineLoop: serves ``GenerateCall``s on a ``ModelRuntime``'s continuous-batching engine.
 
-One thread steps the engine while it has work (holding the runtime's lock for each step) and sleeps when it has
-none. A call becomes an engine request as soon as it arrives: it joins the next step, whatever is running, and
-streams its tokens as they come (all the tokens of one step reach the event loop in one wake-up). A caller that
-goes away cancels its request: the engine stops it at the next step, caching its blocks and unpinning them.
+One thread steps the engine while it has work (holding the runtime's lock for each step) and, when it has none,
+blocks on the engine's wake-up event (set by a submit, a cancel, ``run_exclusive`` and ``stop``: no timed poll).
+A call becomes an engine request as soon as it arrives: it joins the next step, whatever is running, and streams
+its tokens as they come (all the tokens of one step reach the event loop in one wake-up). A caller that goes away
+cancels its request: the engine stops it at the next step, caching its blocks and unpinning them.
 ``after_step(finished)`` runs on the engine thread after each step, before the callers of requests that
 finished in it hear so (the Ray replica publishes its cache events there, so the router knows a reply's blocks
 before the client can send its next turn).
@@ -16,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -29,7 +31,7 @@ from engine.serve.stop_strings import StopStrings
 
 T = TypeVar("T")
 log = logging.getLogger("prefixcache")
-IDLE_WAIT_S = 0.5  # an idle loop wakes this often anyway (to notice stop())
+CACHE_STATS_EVERY_S = 0.25  # the cache_stats snapshot is refreshed at most this often (and when a request ends)
 
 
 class _CallSink:
@@ -118,6 +120,10 @@ class EngineLoop:
         self._closing = False
         self._buffer: list[tuple[_CallSink, Any]] = []
         self._cache_stats: dict[str, Any] = runtime.cache_stats()
+        self._cache_stats_at = time.monotonic()
+        self._idle_s = 0.0  # the thread waiting for work
+        self._between_s = 0.0  # the thread's Python between steps: cache_stats, after_step, handing out tokens
+        self._idle_waits = 0
         tokenizer = runtime.tokenizer
         self._decode: Callable[[list[int]], str] | None = None
         if tokenizer is not None:
@@ -172,11 +178,16 @@ class EngineLoop:
             "forward_s": s.forward_s,
             "attention_s": s.attention_s,
             "finish_s": s.finish_s,
+            "idle_s": self._idle_s,
+            "between_steps_s": self._between_s,
+            "idle_waits": self._idle_waits,
         }
 
     @property
     def cache_stats(self) -> dict[str, Any]:
-        """The runtime's ``cache_stats()`` as of the end of the last step (never waits for a running one)."""
+        """The runtime's ``cache_stats()`` as of the end of a recent step (never waits for a running one): taken
+        after a step in which a request finished, when the engine goes idle, and otherwise at most every
+        ``CACHE_STATS_EVERY_S``."""
         return self._cache_stats
 
     # ---- calls -------------------------------------------------------------------------------------------
@@ -218,11 +229,10 @@ class EngineLoop:
         engine = self.engine
         while True:
             self._run_exclusive()
-            if not engine.has_work():
+            if not engine.has_work() and self._exclusive.empty():
                 if self._closing:
                     return
-                engine.wakeup.wait(IDLE_WAIT_S)
-                engine.wakeup.clear()
+                self._wait_for_work()
                 continue
             finished_before = engine.stats.finished
             with self.runtime.lock:
@@ -231,13 +241,35 @@ class EngineLoop:
                 except Exception as exc:  # a fault of the step as a whole (planning): fail everyone, keep serving
                     log.exception("prefixcache serve: an engine step failed; failing its requests")
                     engine.abort_all(RuntimeError(f"engine step failed: {exc!r}"))
-                self._cache_stats = self.runtime.cache_stats()
+                stepped = time.monotonic()
+                finished = engine.stats.finished > finished_before
+                if finished or stepped - self._cache_stats_at >= CACHE_STATS_EVERY_S:
+                    self._refresh_cache_stats(stepped)
             if self.after_step is not None:
                 try:
-                    self.after_step(engine.stats.finished > finished_before)
+                    self.after_step(finished)
                 except Exception:  # e.g. publishing cache events to the router: the replica keeps serving
                     log.exception("prefixcache serve: after_step failed")
             self._flush()
+            self._between_s += time.monotonic() - stepped
+
+    def _wait_for_work(self) -> None:
+        """Block until a submit, cancel, ``run_exclusive`` or ``stop`` sets the engine's wake-up event (no timeout:
+        an idle thread costs nothing). The cache_stats snapshot is brought up to date first."""
+        wakeup = self.engine.wakeup
+        idle_from = time.monotonic()
+        with self.runtime.lock:
+            self._refresh_cache_stats(idle_from)
+        wakeup.clear()
+        if not self.engine.has_work() and self._exclusive.empty() and not self._closing:
+            self._idle_waits += 1
+            wakeup.wait()
+        self._idle_s += time.monotonic() - idle_from
+
+    def _refresh_cache_stats(self, now: float) -> None:
+        """Take a new cache_stats snapshot (the caller holds the runtime's lock)."""
+        self._cache_stats = self.runtime.cache_stats()
+        self._cache_stats_at = now
 
     def _flush(self) -> None:
         """Hand this step's items to their event loops (one wake-up per loop)."""

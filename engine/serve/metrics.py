@@ -49,6 +49,13 @@ _REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("prefixcache_engine_forward_seconds", "counter", "Of which: the model's forward", "forward_s"),
     ("prefixcache_engine_attention_seconds", "counter", "Of the forward: attention over the pool", "attention_s"),
     ("prefixcache_engine_finish_seconds", "counter", "Of which: sampling, streaming, caching blocks", "finish_s"),
+    (
+        "prefixcache_engine_between_steps_seconds",
+        "counter",
+        "Engine thread between steps: cache figures, handing out tokens",
+        "between_steps_s",
+    ),
+    ("prefixcache_engine_idle_seconds", "counter", "Engine thread waiting for work", "idle_s"),
     # the second tier (disk or shared), when there is one
     ("prefixcache_tier_hit_blocks", "counter", "Blocks served by the second tier", "tier_hit_blocks"),
     ("prefixcache_tier_cached_tokens", "counter", "Prompt tokens served by the second tier", "tier_cached_tokens"),

@@ -37,6 +37,7 @@ from engine.serve.engine_loop import EngineLoop
 from engine.serve.metrics import replica_figures
 from engine.serve.protocol import Finished, GenerateCall, StreamItem
 from engine.serve.router import INDEX_NAMESPACE, IndexHolder, PrefixAwareRouter
+from engine.threads import run_in_thread
 
 logger = logging.getLogger("ray.serve")
 APP_NAME = "prefixcache"
@@ -103,16 +104,19 @@ class ModelReplica:
             import torch
 
             torch.set_num_threads(threads)
-        self.runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed)
+        # torch runs on a thread that ends here, so the engine thread's OpenMP team is the process's only one
+        self.runtime = run_in_thread(lambda: ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed))
         self.replica = serve.get_replica_context().replica_id.unique_id
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self.publisher = EventPublisher(self.runtime, index, self.replica)
-        self.worker = make_worker(
-            self.runtime,
-            use_engine=cfg.use_engine,
-            max_batch_size=cfg.max_batch_size,
-            batch_wait_ms=cfg.batch_wait_ms,
-            after=self._publish,
+        self.worker = run_in_thread(
+            lambda: make_worker(
+                self.runtime,
+                use_engine=cfg.use_engine,
+                max_batch_size=cfg.max_batch_size,
+                batch_wait_ms=cfg.batch_wait_ms,
+                after=self._publish,
+            )
         )
         self._started = False
         self._last_publish = 0.0

@@ -1,0 +1,73 @@
+"""A roofline for the engine's forward: the FLOPs a step's forward does, against what torch.mm reaches here.
+
+``forward_flops`` counts a forward's floating-point operations from the model's shapes: 2 per weight of every
+``nn.Linear`` below the output head per computed token, 2 per weight of the output head per row whose logits are
+taken, and 4 * layers * (query heads x head dim) per (query token, key) pair of attention (QK^T and PV).
+``mm_gflops`` times ``torch.mm`` at given (m, k, n) shapes on this machine's threads: at the shapes of a step's
+linears it is the matmul peak that step could reach; at a large square shape, the machine's peak.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def linear_shapes(model: Any) -> tuple[list[tuple[int, int]], int]:
+    """(in, out) of every ``nn.Linear`` below the output head (one entry per layer's linear), and the head's
+    weights."""
+    head = model.get_output_embeddings()
+    shapes = [
+        (m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+    ]
+    return shapes, int(head.weight.numel()) if head is not None else 0
+
+
+def forward_flops(model: Any, tokens: int, logit_rows: int, attention_pairs: int) -> float:
+    """FLOPs of forwards that computed ``tokens`` tokens, took ``logit_rows`` rows of logits and attended over
+    ``attention_pairs`` (query token, key) pairs in every attention layer."""
+    shapes, head = linear_shapes(model)
+    cfg = model.config.get_text_config(decoder=True)
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    layers = int(cfg.num_hidden_layers)
+    linear = 2.0 * sum(i * o for i, o in shapes) * tokens
+    return linear + 2.0 * head * logit_rows + 4.0 * layers * heads * head_dim * attention_pairs
+
+
+def mm_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2) -> float:
+    """GFLOP/s of ``torch.mm`` over ``shapes`` (m, k, n), each run for at least ``min_s`` after a warm-up."""
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        reps, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < min_s:
+            torch.mm(a, b)
+            reps += 1
+        flops += 2.0 * m * k * n * reps
+        seconds += elapsed
+    return flops / seconds / 1e9
+
+
+def roofline(model: Any, forward_s: float, tokens: int, steps: int, logit_rows: int, pairs: int) -> dict[str, Any]:
+    """The forward's achieved GFLOP/s over ``forward_s`` and its fraction of torch.mm's peak, at the step's mean
+    linear shapes (m = tokens per step) and at a large square shape."""
+    flops = forward_flops(model, tokens, logit_rows, pairs)
+    achieved = flops / forward_s / 1e9 if forward_s > 0 else 0.0
+    m = max(1, round(tokens / max(steps, 1)))
+    shapes, _ = linear_shapes(model)
+    distinct = sorted(set(shapes))
+    at_step = mm_gflops([(m, i, o) for i, o in distinct])
+    large = mm_gflops([(2048, 2048, 2048)])
+    return {
+        "forward_gflop": flops / 1e9,
+        "forward_gflops": achieved,
+        "mean_tokens_per_step": m,
+        "mm_gflops_at_step_shapes": at_step,
+        "mm_gflops_large": large,
+        "fraction_of_step_shape_peak": achieved / at_step if at_step else 0.0,
+        "fraction_of_large_peak": achieved / large if large else 0.0,
+    }

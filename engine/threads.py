@@ -14,7 +14,6 @@ when it ends, libgomp frees its team (``gomp_free_thread``), so the engine threa
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,11 +39,3 @@ def run_in_thread(fn: Callable[[], T], name: str = "prefixcache-load") -> T:
         raise box["error"]
     result: T = box["result"]
     return result
-
-
-def os_threads() -> int:
-    """How many OS threads this process has now (Linux; 0 where /proc is not there). Changes nothing."""
-    try:
-        return len(os.listdir(f"/proc/{os.getpid()}/task"))
-    except OSError:
-        return 0

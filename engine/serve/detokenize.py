@@ -34,8 +34,7 @@ class IncrementalText:
         self.ids += ids
         if self._read == len(self.ids):
             return ""
-        head = self.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        window = self.decode(self.ids[self._prefix :])
+        head, window = self._window()
         if window.endswith(REPLACEMENT) or len(window) <= len(head) or not window.startswith(head):
             return ""  # incomplete (or nothing new yet): wait for more ids
         delta = window[len(head) :]
@@ -47,6 +46,10 @@ class IncrementalText:
         """The text of the ids not confirmed yet, as if the reply ended now (may end in U+FFFD). Changes nothing."""
         if self._read == len(self.ids):
             return ""
-        head = self.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        window = self.decode(self.ids[self._prefix :])
+        head, window = self._window()
         return window[len(head) :] if window.startswith(head) else window
+
+    def _window(self) -> tuple[str, str]:
+        """The look-back ids' text and the text of the look-back plus every id not confirmed yet. Changes nothing."""
+        head = self.decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        return head, self.decode(self.ids[self._prefix :])

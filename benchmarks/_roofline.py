@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
+from engine.paged.linear import linears
+
 
 def linear_shapes(model: Any) -> tuple[list[tuple[int, int]], int]:
-    """(in, out) of every ``nn.Linear`` below the output head (one entry per layer's linear), and the head's
-    weights."""
+    """(in, out) of every ``nn.Linear`` below the output head, one entry per layer's linear (``linears``: the ones
+    the engine packs), and the head's weights."""
     head = model.get_output_embeddings()
-    shapes = [
-        (m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
-    ]
+    shapes = [(m.in_features, m.out_features) for m in linears(model) if m is not head]
     return shapes, int(head.weight.numel()) if head is not None else 0
 
 

@@ -140,7 +140,7 @@ def generate(
         cache = hf_cache.buffer_cache(rt.model, bufs, ready)
         capture = None
         if hy is not None:
-            stack_states(hy, cache, row_caches, copies)
+            stack_states(hy, cache, row_caches, copies, ready)
             capture = BoundaryCapture(hy, cache, [pads[i // copies] for i in range(batch * copies)], eos_ids(gc))
             kwargs = {
                 **kwargs,
@@ -254,7 +254,7 @@ def _prepare_row(
         hy = rt.hybrid
         assert hy is not None
         if plan.slot is not None:
-            hy.pool.restore_cache(row_cache, plan.slot)
+            hy.pool.restore_cache(row_cache, plan.slot, cached)
         if todo > 0:
             kwarg, logits = hf_cache.cache_kwarg(rt.model), hf_cache.last_logits_only(rt.model)
             prefill(rt.model, hy, row_cache, tokens, cached, cached + todo, plan, kwarg, logits)

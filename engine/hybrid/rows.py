@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, StoppingCriteria
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
 from engine.hybrid import recurrent
-from engine.hybrid.states import placed
+from engine.hybrid import layer_state
 from engine.hybrid.store import HybridStates
 
 
@@ -74,14 +74,18 @@ def prefill(
             row.published.append(b)
 
 
-def stack_states(hy: HybridStates, cache: DynamicCache, row_caches: list[DynamicCache | None], copies: int) -> None:
-    """Give ``cache`` (the batch's) the recurrent state of every row (row r of ``row_caches``, ``copies`` times in a
-    row, as ``num_return_sequences`` expands the batch). A row that computed nothing (a one-token prompt) joins with
-    a zero state. Changes ``cache``."""
+def stack_states(
+    hy: HybridStates, cache: DynamicCache, row_caches: list[DynamicCache | None], copies: int, length: int
+) -> None:
+    """Give ``cache`` (the batch's, holding ``length`` padded positions) the recurrent state of every row (row r of
+    ``row_caches``, ``copies`` times in a row, as ``num_return_sequences`` expands the batch), each layer's token
+    count ``length`` (``layer_state.write``). A row that computed nothing (a one-token prompt) joins with a zero
+    state. Raises RuntimeError when the cache then reports another length. Changes ``cache``."""
     any_state = False
     for i, n in zip(hy.spec.layers, hy.spec.states):
         target = cache.layers[i]
         assert isinstance(target, LinearAttentionCacheLayerMixin), f"cache layer {i} keeps no recurrent state"
+        stacked: dict[tuple[int, str], torch.Tensor] = {}
         for j in range(n):
             for kind in ("conv", "recurrent"):
                 pool = hy.pool.tensors.get((i, j, kind))
@@ -92,26 +96,21 @@ def stack_states(hy: HybridStates, cache: DynamicCache, row_caches: list[Dynamic
                     assert rc is not None, "a hybrid row always has its own cache"
                     layer = rc.layers[i]
                     assert isinstance(layer, LinearAttentionCacheLayerMixin)
-                    held = (layer.conv_states if kind == "conv" else layer.recurrent_states).get(j)
+                    held = layer_state.tensors_of(layer).get((j, kind))
                     if held is None or not layer.has_previous_state[j]:
                         rows.append(torch.zeros_like(pool[:1]))
                     else:
                         rows.append(held.to(pool.dtype))
                         any_state = True
-                stacked = torch.cat(rows).repeat_interleave(copies, dim=0)
-                if kind == "conv":
-                    target.conv_states[j] = stacked
-                    target.is_conv_states_initialized[j] = True
-                    target.conv_kernel_size[j] = hy.pool.kernel(i, j)
-                    placed(target, stacked)
-                else:
-                    target.recurrent_states[j] = stacked
-                    target.is_recurrent_states_initialized[j] = True
+                stacked[(j, kind)] = torch.cat(rows).repeat_interleave(copies, dim=0)
+        kernels = {j: hy.pool.kernel(i, j) for j in range(n)}
+        layer_state.write(target, stacked, kernels, length=length)
     for i, n in zip(hy.spec.layers, hy.spec.states):
         layer = cache.layers[i]
         assert isinstance(layer, LinearAttentionCacheLayerMixin)
         for j in range(n):
             layer.has_previous_state[j] = any_state
+    layer_state.check_length(cache, length)
 
 
 class BoundaryCapture(StoppingCriteria):

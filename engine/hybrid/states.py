@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from engine import memory
+from engine.hybrid import layer_state
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ def recurrent_layers(template: DynamicCache) -> list[int]:
 
 
 def spec_of(cache: DynamicCache) -> StateSpec:
-    """The ``StateSpec`` of a cache after a forward of one sequence (batch 1). Changes nothing."""
+    """The ``StateSpec`` of a cache after a forward of one sequence (batch 1): what ``layer_state.tensors_of`` finds
+    in each recurrent layer (check ``layer_state.audit`` first). Changes nothing."""
     tensors: list[StateTensor] = []
     layers: list[int] = []
     counts: list[int] = []
@@ -77,13 +79,9 @@ def spec_of(cache: DynamicCache) -> StateSpec:
         assert isinstance(layer, LinearAttentionCacheLayerMixin)
         layers.append(i)
         counts.append(layer.number_of_states)
-        for j in range(layer.number_of_states):
-            conv = layer.conv_states.get(j)
-            if conv is not None and layer.is_conv_states_initialized[j]:
-                tensors.append(StateTensor(i, j, "conv", tuple(conv.shape[1:]), conv.dtype, layer.conv_kernel_size[j]))
-            rec = layer.recurrent_states.get(j)
-            if rec is not None and layer.is_recurrent_states_initialized[j]:
-                tensors.append(StateTensor(i, j, "recurrent", tuple(rec.shape[1:]), rec.dtype))
+        for (j, kind), t in layer_state.tensors_of(layer).items():
+            kernel = layer.conv_kernel_size[j] if kind == "conv" else None
+            tensors.append(StateTensor(i, j, kind, tuple(t.shape[1:]), t.dtype, kernel))
     return StateSpec(tuple(tensors), tuple(layers), tuple(counts))
 
 
@@ -129,20 +127,10 @@ class StatePool:
     def view_layer(self, layer_idx: int, slots: int | Sequence[int], number_of_states: int) -> LinearAttentionLayer:
         """A cache layer for recurrent layer ``layer_idx`` whose tensors are the pool's rows ``slots`` (one slot: a
         view, written in place; several: a gathered copy, see ``scatter_layer``), marked as holding a previous
-        state. Changes nothing."""
+        state. Its token count is 0: on the paged path positions are explicit and only the model-level cache
+        (``engine.paged.attention``) is asked for a length. Changes nothing."""
         layer = LinearAttentionLayer(number_of_states=number_of_states)
-        for j in range(number_of_states):
-            conv = self.tensors.get((layer_idx, j, "conv"))
-            if conv is not None:
-                layer.conv_states[j] = _rows(conv, slots)
-                layer.is_conv_states_initialized[j] = True
-                layer.conv_kernel_size[j] = self._kernels[(layer_idx, j)]
-                placed(layer, conv)
-            rec = self.tensors.get((layer_idx, j, "recurrent"))
-            if rec is not None:
-                layer.recurrent_states[j] = _rows(rec, slots)
-                layer.is_recurrent_states_initialized[j] = True
-            layer.has_previous_state[j] = True
+        layer_state.write(layer, self._layer_tensors(layer_idx, number_of_states, slots), self._layer_kernels(layer_idx), length=0)
         return layer
 
     def store_layer(self, layer: LinearAttentionCacheLayerMixin, layer_idx: int, slots: int | Sequence[int]) -> None:
@@ -164,24 +152,33 @@ class StatePool:
         """The conv kernel size of state ``index`` of recurrent layer ``layer_idx``."""
         return self._kernels.get((layer_idx, index))
 
-    def restore_cache(self, cache: DynamicCache, slot: int) -> None:
-        """Put slot ``slot``'s state into ``cache``'s recurrent layers (batch 1) as fresh tensors (copies, not
-        views: the cache may outlive the slot's contents), marked as a previous state. Changes ``cache``."""
+    def restore_cache(self, cache: DynamicCache, slot: int, length: int) -> None:
+        """Put slot ``slot``'s state (after ``length`` tokens, which ``cache``'s attention layers hold) into
+        ``cache``'s recurrent layers (batch 1) as fresh tensors (copies, not views: the cache may outlive the slot's
+        contents), marked as a previous state, each layer's token count ``length`` (``layer_state.write``; raises
+        RuntimeError when the cache then reports another length). Changes ``cache``."""
         for i, n in zip(self.spec.layers, self.spec.states):
             layer = cache.layers[i]
             assert isinstance(layer, LinearAttentionCacheLayerMixin), f"cache layer {i} keeps no recurrent state"
-            for j in range(n):
-                conv = self.tensors.get((i, j, "conv"))
-                if conv is not None:
-                    layer.conv_states[j] = conv[slot : slot + 1].clone()
-                    layer.is_conv_states_initialized[j] = True
-                    layer.conv_kernel_size[j] = self._kernels[(i, j)]
-                    placed(layer, conv)
-                rec = self.tensors.get((i, j, "recurrent"))
-                if rec is not None:
-                    layer.recurrent_states[j] = rec[slot : slot + 1].clone()
-                    layer.is_recurrent_states_initialized[j] = True
-                layer.has_previous_state[j] = True
+            held = {key: t.clone() for key, t in self._layer_tensors(i, n, slot).items()}
+            layer_state.write(layer, held, self._layer_kernels(i), length=length)
+        layer_state.check_length(cache, length)
+
+    def _layer_tensors(
+        self, layer_idx: int, number_of_states: int, slots: int | Sequence[int]
+    ) -> dict[tuple[int, str], torch.Tensor]:
+        """Rows ``slots`` of recurrent layer ``layer_idx``'s tensors, by ``(state index, kind)`` (``_rows``)."""
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        for j in range(number_of_states):
+            for kind in ("conv", "recurrent"):
+                pool = self.tensors.get((layer_idx, j, kind))
+                if pool is not None:
+                    out[(j, kind)] = _rows(pool, slots)
+        return out
+
+    def _layer_kernels(self, layer_idx: int) -> dict[int, int | None]:
+        """Recurrent layer ``layer_idx``'s conv kernel sizes, by state index."""
+        return {j: k for (i, j), k in self._kernels.items() if i == layer_idx}
 
     def save_cache(self, cache: DynamicCache, row: int, slot: int) -> None:
         """Write batch row ``row`` of ``cache``'s recurrent state into slot ``slot``. Changes that slot."""
@@ -203,13 +200,6 @@ class SlotCache(DynamicCache):
         super().__init__()
         self.layers = [DummyLayer() for _ in range(num_layers)]
         self.layers[layer_idx] = layer
-
-
-def placed(layer: LinearAttentionCacheLayerMixin, tensor: torch.Tensor) -> None:
-    """Record on ``layer`` the device and dtype of the conv state ``tensor`` it now holds, as its lazy
-    initialisation would (transformers annotates these attributes as None). Changes ``layer``."""
-    setattr(layer, "device", tensor.device)  # noqa: B010
-    setattr(layer, "dtype", tensor.dtype)  # noqa: B010
 
 
 def _rows(pool: torch.Tensor, slots: int | Sequence[int]) -> torch.Tensor:

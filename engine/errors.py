@@ -21,3 +21,8 @@ class EngineFallbackWarning(UserWarning):
 
 class UnsupportedModelError(ValueError):
     """The model's cache cannot be served from a prefix cache (recurrent state, encoder-decoder, ...)."""
+
+
+class LoadCheckError(RuntimeError):
+    """A cached path failed its check at load on this install (an unknown cache-layer member, a probe beyond float
+    tolerance, a probe that raised): ``ModelRuntime`` catches it and runs the model uncached with the reason."""

@@ -15,17 +15,26 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
-from engine import hf_cache
+from engine import hf_cache, path_check
 from engine.batching.engine import Engine
 from engine.batching.scheduler import SchedulerConfig
-from engine.errors import StaleCacheWarning, UnsupportedModelError, UnverifiedCacheWarning
+from engine.errors import (
+    LoadCheckError,
+    StaleCacheWarning,
+    UncachedCallWarning,
+    UnsupportedModelError,
+    UnverifiedCacheWarning,
+)
 from engine.hybrid.setup import open_hybrid
 from engine.hybrid.store import HybridStates
 from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
@@ -106,8 +115,11 @@ class RuntimeConfig:
 class ModelRuntime:
     """The cache of ``model`` built as ``config`` says. ``on_unsupported``: "error" raises
     ``UnsupportedModelError`` for a model that cannot be cached exactly; "passthrough" keeps it with no pool (a
-    one-block tree keeps the counters usable) and ``unsupported_reason`` set. ``hasher``: a test seam for forced
-    block-hash collisions."""
+    one-block tree keeps the counters usable) and ``unsupported_reason`` set. A model that fails the check at load
+    (``engine.path_check``: its cached path compared with the bare model on this install's transformers and torch,
+    a recurrent cache layer walked whole by ``engine.hybrid.layer_state``) is kept the same way, with an
+    ``UncachedCallWarning`` naming the versions and the difference, whatever ``on_unsupported`` says: it depends on
+    the install, not on the model. ``hasher``: a test seam for forced block-hash collisions."""
 
     def __init__(
         self,
@@ -148,8 +160,15 @@ class ModelRuntime:
             self.cache = PrefixCache(CacheConfig(num_blocks=1, block_size=self.block_size, eviction=config.eviction))
             self.causes = LiveCauses(self.block_size, config.history_bound(self.block_size))
             return
+        self.load_check_reason: str | None = None  # why the check at load turned caching off, or None
+        self.load_check_seconds = 0.0  # what the last check at load (engine.path_check) took
+        self._weights = WeightsSnapshot.take(model)
         self.specs = hf_cache.probe_specs(model)
-        self.hybrid = self._open_hybrid()
+        try:
+            self.hybrid = self._open_hybrid()
+        except LoadCheckError as exc:
+            self._uncached_at_load(str(exc))
+            return
         num_blocks = self._num_blocks()
         self.cache = PrefixCache(
             CacheConfig(
@@ -169,6 +188,9 @@ class ModelRuntime:
                 stacklevel=3,
             )
         self.pool = self._new_pool(num_blocks)
+        self.causes = LiveCauses(self.block_size, config.history_bound(num_blocks * self.block_size))
+        if self._check_at_load():  # before the tier opens: the probe's blocks must not reach it
+            return
         if config.disk_cache is not None or config.shared_cache is not None or config.max_disk_bytes is not None:
             self.tier = open_tier(
                 self.binding(),
@@ -179,8 +201,52 @@ class ModelRuntime:
         if self.tier is not None and self.hybrid is not None:
             self._state_tier = open_state_tier(self.tier, state_binding(self.binding(), self.hybrid.spec))
         self._link_hybrid()
-        self.causes = LiveCauses(self.block_size, config.history_bound(num_blocks * self.block_size))
-        self._weights = WeightsSnapshot.take(model)
+
+    def _check_at_load(self) -> bool:
+        """Run the check at load (``engine.path_check``) and drop what it cached (counters too, unless a caller's
+        counters are running: they are kept as they were). On a failure, turn caching off with an
+        ``UncachedCallWarning`` (``_uncached_at_load``). Returns whether it failed. Changes the cache."""
+        stats = replace(self.cache.stats)
+        index_stats = None if self.hybrid is None else replace(self.hybrid.index.stats)
+        t0 = time.perf_counter()
+        with self._tiers_detached():
+            reason = path_check.contiguous_reason(self)
+        self.load_check_seconds = time.perf_counter() - t0
+        self.drop()
+        self.cache.stats = stats
+        if self.hybrid is not None and index_stats is not None:
+            self.hybrid.index.stats = index_stats
+        if reason is not None:
+            self._uncached_at_load(reason)
+        return reason is not None
+
+    def _uncached_at_load(self, reason: str) -> None:
+        """Keep the model without a pool (as ``on_unsupported="passthrough"`` does) because the check at load found
+        ``reason``; warns once. Changes everything the cache is made of."""
+        self.load_check_reason = self.unsupported_reason = reason
+        self.hybrid = None
+        self.pool = None
+        self._engine, self._engine_reason = None, None
+        self.tier, self._state_tier = None, None
+        self.cache = PrefixCache(CacheConfig(num_blocks=1, block_size=self.block_size, eviction=self.config.eviction))
+        self.causes = LiveCauses(self.block_size, self.config.history_bound(self.block_size))
+        self.warn_once(
+            f"PrefixCachedModel: caching is off for {type(self.model).__name__}, every call runs uncached: {reason}",
+            UncachedCallWarning,
+            4,
+        )
+
+    @contextmanager
+    def _tiers_detached(self) -> Iterator[None]:
+        """Inside: the runtime has no second tier (the check at load writes nothing there)."""
+        tiers = self.tier, self._state_tier
+        self.tier, self._state_tier = None, None
+        self._link_hybrid()
+        try:
+            yield
+        finally:
+            self.tier, self._state_tier = tiers
+            self._link_hybrid()
 
     @classmethod
     def load(
@@ -287,12 +353,17 @@ class ModelRuntime:
         if model.dtype != pool.dtype or self.device != pool.device:
             self.pool = self._new_pool(pool.num_blocks)
             self.drop()
-            if self.hybrid is not None:  # states of another dtype or device: a new state pool, probed anew
-                self.hybrid = self._open_hybrid()
             self._weights = WeightsSnapshot.take(model)  # the cast made new tensors: no weight change to warn about
             self.fingerprint = fingerprint(model)
+            if self.hybrid is not None:  # states of another dtype or device: a new state pool, probed anew
+                try:
+                    self.hybrid = self._open_hybrid()
+                except LoadCheckError as exc:
+                    self._uncached_at_load(str(exc))
+                    return
             self._rebind_tiers()
             self._link_hybrid()
+            self._check_at_load()  # the other dtype or device is checked as the first one was
             return
         now = WeightsSnapshot.take(model)
         what = describe_change(model, self._weights, now)

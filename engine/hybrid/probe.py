@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
 
 from engine.hybrid import recurrent
 from engine.hybrid.states import StateSpec, spec_of
@@ -26,13 +27,19 @@ def tolerance(model: torch.nn.Module) -> float:
     return 1e-5 if dtype in (torch.float32, torch.float64) else 2 * torch.finfo(dtype).eps
 
 
-def probe_spec(model: PreTrainedModel) -> StateSpec:
-    """The state of one sequence of ``model``, found by a two-token forward. Changes nothing."""
+def probe_cache(model: PreTrainedModel) -> DynamicCache:
+    """A fresh cache of ``model``'s own layer types after a two-token forward of one sequence (what its layers hold:
+    ``layer_state.audit``, ``spec_of``). Changes nothing."""
     cache = recurrent.fresh_template(model)
     ids = torch.zeros((1, 2), dtype=torch.long, device=_device(model))
     with torch.inference_mode():
         model(input_ids=ids, cache=cache, use_cache=True, position_ids=torch.arange(2, device=ids.device)[None])
-    return spec_of(cache)
+    return cache
+
+
+def probe_spec(model: PreTrainedModel) -> StateSpec:
+    """The state of one sequence of ``model`` (``probe_cache``'s). Changes nothing."""
+    return spec_of(probe_cache(model))
 
 
 def chunked_difference(model: PreTrainedModel, *, tokenwise: bool, seed: int = 0) -> float:

@@ -18,8 +18,7 @@ import torch
 from transformers import PreTrainedModel, StoppingCriteria
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
-from engine.hybrid import recurrent
-from engine.hybrid import layer_state
+from engine.hybrid import layer_state, recurrent
 from engine.hybrid.store import HybridStates
 
 

@@ -130,7 +130,9 @@ class StatePool:
         state. Its token count is 0: on the paged path positions are explicit and only the model-level cache
         (``engine.paged.attention``) is asked for a length. Changes nothing."""
         layer = LinearAttentionLayer(number_of_states=number_of_states)
-        layer_state.write(layer, self._layer_tensors(layer_idx, number_of_states, slots), self._layer_kernels(layer_idx), length=0)
+        layer_state.write(
+            layer, self._layer_tensors(layer_idx, number_of_states, slots), self._layer_kernels(layer_idx), length=0
+        )
         return layer
 
     def store_layer(self, layer: LinearAttentionCacheLayerMixin, layer_idx: int, slots: int | Sequence[int]) -> None:

@@ -89,6 +89,8 @@ def test_a_layer_member_unknown_here_turns_caching_off(monkeypatch):
 def test_a_count_left_behind_by_the_restore_turns_caching_off(monkeypatch):
     """transformers 5.25's change, as this code would meet it had it not learned of the count: a restore that
     leaves ``cumulative_length_linear`` at 0 (the cache then reports 0 tokens and every position shifts)."""
+    if not hasattr(LinearAttentionLayer(), "cumulative_length_linear"):
+        pytest.skip(f"transformers {transformers.__version__} has no token count on its recurrent layers (5.25 on)")
     monkeypatch.setattr(layer_state, "COUNTERS", ())
     model = hybrid_model()
     pcm = _turned_off(model, "reports 0 tokens where it holds")

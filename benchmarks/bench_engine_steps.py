@@ -4,7 +4,7 @@
                                             [--block-size 16] [--runs 1] [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
-turns of ~60 tokens, 32-token greedy replies: the workload of ``../shared/serve_peers/``, built by its own
+turns of ~60 tokens, 32-token greedy replies: the workload of ``benchmarks/serve_peers.py``, built by its own
 ``round_chats``) against ``Engine`` directly: each client submits its next turn as soon as its reply finishes, the
 loop steps the engine. Printed: requests/s, TTFT, cached tokens, and the split of the engine's busy time into
 scheduling, the forward (and attention inside it), and what follows the forward (log-softmax/sampling, streaming,
@@ -37,22 +37,14 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from serve_peers import round_chats  # noqa: E402  (benchmarks/serve_peers.py: the chat workload, no HTTP needed)
+
 import _meta  # noqa: E402
 from _roofline import roofline  # noqa: E402
 from engine import PrefixCachedModel  # noqa: E402
 from engine.batching.request import Request, RequestResult  # noqa: E402
 from engine.batching.sampling import SamplingParams  # noqa: E402
 from engine.batching.scheduler import SchedulerConfig  # noqa: E402
-
-
-def _round_chats() -> Any:
-    peers = ROOT.parent / "shared" / "serve_peers"
-    if not (peers / "serve_peers.py").exists():
-        raise SystemExit(f"needs ../shared/serve_peers/serve_peers.py (its round_chats workload); not found at {peers}")
-    sys.path.insert(0, str(peers))
-    from serve_peers import round_chats
-
-    return round_chats
 
 
 class Client:
@@ -133,9 +125,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     meta = _meta.begin()
-    round_chats = _round_chats()
     torch.set_num_threads(os.cpu_count() or 1)
-    runs = [one_run(args, round_chats) for _ in range(args.runs)]
+    runs = [one_run(args) for _ in range(args.runs)]
     result = runs[0]
     if args.json:
         payload = {"meta": _meta.end(meta), "args": {k: str(v) for k, v in vars(args).items()}}
@@ -145,7 +136,7 @@ def main() -> None:
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
 
 
-def one_run(args: argparse.Namespace, round_chats: Any) -> dict[str, Any]:
+def one_run(args: argparse.Namespace) -> dict[str, Any]:
     """Play the workload once on a fresh model and engine; print and return its figures."""
     config = SchedulerConfig(max_step_tokens=args.max_step_tokens, max_chunk_tokens=args.max_chunk_tokens)
     pcm = PrefixCachedModel.from_pretrained(

@@ -14,8 +14,9 @@ exactness, what its cache costs per token, and a chat replay beside a pure-atten
 - Memory: one recurrent-state snapshot's bytes; KV bytes per token of the hybrid and of ``--reference``; bytes per
   cached token of the prefix (its KV plus the snapshots held) against the reference's KV per token.
 - ``--replay SCENARIO``: ``prefixcache replay`` of the scenario on both models (hit rates, outputs checked).
-- ``--serve-peers PATH`` (``../shared/serve_peers/serve_peers.py``): its multi-turn chat through ``prefixcache
-  serve`` on both models (``--serve-rounds``): hit rates as ``serve`` reports them, replies against the bare model.
+- ``--serve-peers [PATH]`` (PATH defaults to ``benchmarks/serve_peers.py``): its multi-turn chat through
+  ``prefixcache serve`` on both models (``--serve-rounds``): hit rates as ``serve`` reports them, replies against the
+  bare model.
 - ``--families``: the exactness probe of every hybrid family's tiny random model (``tests/hybrid_testutil.py``): a
   prompt's logits from one forward against two chunks, the second from the saved state, as multi-token chunks and
   one token at a time, float32 and bfloat16; which way the model is run (``tokenwise``).
@@ -246,7 +247,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--replay", default=None, help="a scenario to replay on both models (e.g. scenarios/chat.yaml)")
-    ap.add_argument("--serve-peers", default=None, help="serve_peers.py: its chat through `serve` on both models")
+    ap.add_argument(
+        "--serve-peers",
+        nargs="?",
+        const=str(Path(__file__).resolve().parent / "serve_peers.py"),
+        default=None,
+        help="serve_peers.py (default: benchmarks/serve_peers.py): its chat through `serve` on both models",
+    )
     ap.add_argument("--serve-rounds", type=int, default=1)
     ap.add_argument("--families", action="store_true", help="probe every hybrid family's exactness (tiny models)")
     ap.add_argument("--json", default=None)

@@ -5,7 +5,7 @@
 
 A shape is ``CLIENTSxMAX_TOKENSxSYSTEM_TOKENS``; the default sweep is clients 4 / 8 / 12, replies of 16 / 32 / 64
 tokens, system prompts of ~300 / ~600 tokens (18 shapes; 3 rounds of pc and vllm2 take about 5 hours on 2 cores).
-Each shape runs ``../shared/serve_peers/serve_peers.py --servers S --rounds N --clients C --max-tokens M
+Each shape runs ``benchmarks/serve_peers.py --servers S --rounds N --clients C --max-tokens M
 --system-tokens P --json <shapes-dir>/<shape>.json``; a shape whose JSON exists is skipped (the sweep resumes where
 it stopped; delete a shape's JSON to rerun it). Written: the combined ``--json``, per shape and server the
 median requests/s, TTFT p50 / p99, server CPU s/req, the cores it kept busy (CPU s/req x req/s), greedy
@@ -120,7 +120,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=None, help="comma-separated shapes CxMxP (default: the whole sweep)")
     ap.add_argument("--project", type=Path, default=ROOT)
-    ap.add_argument("--serve-peers", type=Path, default=ROOT.parent / "shared" / "serve_peers" / "serve_peers.py")
+    ap.add_argument(
+        "--serve-peers", type=Path, default=ROOT / "benchmarks" / "serve_peers.py", help="the driver (default: in-repo)"
+    )
     ap.add_argument("--shapes-dir", type=Path, default=ROOT / "benchmarks" / "results" / "serve_sweep")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "serve_sweep.json")
     ap.add_argument("extra", nargs="*", help="after --: more serve_peers options (e.g. -- --model-dir D)")

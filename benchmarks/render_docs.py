@@ -60,6 +60,7 @@ TARGETS = (
     Target("tiers_simulation_cluster.md", "docs/tiers-simulation.md", "cluster-shared-tier"),
     Target("tiers_measured.md", "docs/tiers.md", "tier-measured"),
     Target("hybrid_measured.md", "docs/hybrid.md", "hybrid-measured"),
+    Target("compat_measured.md", "docs/compatibility.md", "compat-measured"),
 )
 
 # Where a JSON keeps the 1-minute load average before and after its run: _meta.py's record first, then the
@@ -457,7 +458,7 @@ def render(text: str, results: Results, rerun: dict[str, str]) -> Rendered:
             out.figures.append(Figure(line_no, body, shown))
             return shown
 
-        out.lines.append(FIGURE.sub(figure, line))
+        out.lines.extend(FIGURE.sub(figure, line).split("\n"))  # a figure may be lines (a table from its JSON)
     return out
 
 

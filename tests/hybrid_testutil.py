@@ -229,17 +229,71 @@ def configs() -> dict[str, tuple[str, str, dict]]:
     }
 
 
+ATTN = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
+def attention_configs() -> dict[str, tuple[str, str, dict]]:
+    """Attention families of 2026 (MoE, sliding windows, sinks) for the version probe (benchmarks/compat.py)."""
+    return {
+        "gpt_oss": (
+            "GptOssConfig",
+            "GptOssForCausalLM",
+            dict(
+                **ATTN,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                attn_implementation="eager",  # its attention sinks: no sdpa
+            ),
+        ),
+        "qwen3_moe": (
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            dict(**ATTN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        ),
+        "glm4_moe": (
+            "Glm4MoeConfig",
+            "Glm4MoeForCausalLM",
+            dict(
+                **ATTN,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+            ),
+        ),
+        "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(**ATTN, sliding_window=8)),
+        # Kimi Linear with grouped MLA heads (2 KV heads of 4): transformers' forward over a cached prefix raises
+        "kimi_linear_gqa": (
+            "KimiLinearConfig",
+            "KimiLinearForCausalLM",
+            {**configs()["kimi_linear"][2], "num_key_value_heads": 2},
+        ),
+    }
+
+
 FAMILIES = list(configs())
 RECURRENT = [f for f in FAMILIES if f not in ("deepseek_v3", "glm4_moe_lite")]
+ATTENTION = list(attention_configs())
 
 
 def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
-    cfg_name, model_name, kw = configs()[family]
+    cfg_name, model_name, kw = {**configs(), **attention_configs()}[family]
     cfg_cls = getattr(transformers, cfg_name)
     model_cls = getattr(transformers, model_name)
     kw = {**COMMON, **kw, **overrides}
     cfg = cfg_cls(**kw)
-    cfg._attn_implementation = overrides.get("attn_implementation", "sdpa")
+    cfg._attn_implementation = kw.get("attn_implementation", "sdpa")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(cfg).to(dtype).eval()

@@ -3,7 +3,8 @@
 Anything that cannot be served exactly from a cached prefix runs uncached (plain ``model.generate``): beam search
 and other non greedy/sampling modes, ``use_cache=False``, ``inputs_embeds``, ``output_attentions`` /
 ``output_hidden_states`` (their prompt step would cover only the suffix), static/quantized cache implementations,
-right padding, missing ``attention_mask`` with pad tokens in the ids, non-integer or empty ids. Each check returns
+inputs beside the ids (``pixel_values`` and other media or tensors: not in the block keys), right padding,
+missing ``attention_mask`` with pad tokens in the ids, non-integer or empty ids. Each check returns
 the reason, or None. Nothing here changes anything.
 """
 
@@ -19,6 +20,9 @@ from prefixcache.core.checks import check_int
 
 _ALLOWED_MODES = ("greedy_search", "sample")
 _BATCH_SHAPED_KWARGS = ("position_ids", "token_type_ids", "cache_position", "decoder_input_ids")
+# model inputs beside the ids (images, video, audio): their content is not in the block keys, and two different
+# images behind the same placeholder ids would hit each other's KV
+_MEDIA_PREFIXES = ("pixel_", "image_", "video_", "audio_", "input_features", "mm_")
 
 
 def uncached_reason(input_ids: Any, attention_mask: Any, kwargs: dict[str, Any]) -> str | None:
@@ -38,6 +42,12 @@ def uncached_reason(input_ids: Any, attention_mask: Any, kwargs: dict[str, Any])
     for key in _BATCH_SHAPED_KWARGS:
         if kwargs.get(key) is not None:
             return f"{key} given"
+    for key, value in kwargs.items():
+        if value is not None and (key.startswith(_MEDIA_PREFIXES) or isinstance(value, torch.Tensor)):
+            return (
+                f"{key} given: inputs beside input_ids (images, audio, extra tensors) are not part of the cache's "
+                "block keys, so a prompt holding them is not served from cache"
+            )
     if kwargs.get("custom_generate") is not None or kwargs.get("assistant_model") is not None:
         return "custom_generate / assistant_model given"
     if kwargs.get("streamer") is not None and input_ids.shape[0] > 1:

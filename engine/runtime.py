@@ -43,6 +43,7 @@ from engine.paged import linear
 from engine.paged.runner import PROBE_TOLERANCE, paged_unsupported_reason, probe_difference
 from engine.tier import KVTier, TierBinding, open_tier
 from engine.tier.open import binding_for, open_state_tier, state_binding
+from engine.versions import label
 from engine.weights import WeightsSnapshot, describe_change
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.core.checks import check_int
@@ -460,11 +461,13 @@ class ModelRuntime:
                 with self.cache.borrowed_blocks(min(4, self.cache.num_blocks)) as blocks:
                     states = None if hy is None else hy.pool
                     diff = probe_difference(self.model, self.pool, blocks, states=states, slot=slot or 0)
+            except Exception as exc:  # a paged forward that raises on this install: not used, with what it raised
+                return f"its paged probe forward raised {type(exc).__name__}: {exc} ({label()})"
             finally:
                 if hy is not None and slot is not None:
                     hy.give_back(slot)
             if diff > PROBE_TOLERANCE:
-                reason = f"its paged forward's logits differ from its own by {diff:.1e} (relative)"
+                reason = f"its paged forward's logits differ from its own by {diff:.1e} (relative; {label()})"
         return reason
 
     def _packed(self) -> Any:

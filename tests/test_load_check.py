@@ -164,3 +164,24 @@ def test_the_check_leaves_no_trace(tmp_path):
     assert torch.equal(out.sequences, _greedy(model.generate, ids).sequences)
     assert pcm.last_request_stats[0].cached_tokens == 0  # nothing of the probe is served
     pcm.close()
+
+
+@pytest.mark.parametrize("fault", ["raises", "differs"])
+def test_a_paged_probe_that_fails_turns_the_engine_off_with_the_versions(monkeypatch, fault):
+    from engine import EngineFallbackWarning, runtime
+
+    def probe(*args, **kwargs):
+        if fault == "raises":
+            raise RuntimeError("a kernel this release broke")
+        return 1.0
+
+    monkeypatch.setattr(runtime, "probe_difference", probe)
+    model = tiny_model("llama")
+    pcm = PrefixCachedModel(model, max_cached_tokens=512, block_size=4)
+    prompt = torch.randint(3, 120, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    with pytest.warns(EngineFallbackWarning, match=f"transformers {transformers.__version__}"):
+        out = pcm.generate_batch([prompt], max_new_tokens=4, do_sample=False)
+    assert pcm.runtime.engine_unsupported_reason is not None
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out["req_0"].generated_tokens == ref[0, len(prompt) :].tolist()

@@ -42,12 +42,10 @@ def contiguous_difference(rt: ModelRuntime, seed: int = 0) -> tuple[float, str |
     shared = SHARED_BLOCKS * bs
     first = torch.randint(0, vocab, (shared + 3,), generator=gen)
     rows = [torch.cat([first[:shared], torch.randint(0, vocab, (t,), generator=gen)]) for t in TAILS]
-    gc, why = merged_config(
-        model, {"max_new_tokens": 1, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
-    )
+    kwargs = {"max_new_tokens": 1, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    gc, why = merged_config(model, kwargs)
     if gc is None:
         return 0.0, f"the probe's generation settings are refused: {why}"
-    kwargs = {"max_new_tokens": 1, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     with torch.inference_mode():
         contiguous.generate(rt, first[None].to(device), None, gc, [NAMESPACE], kwargs, [[shared]])
         width = max(len(r) for r in rows)

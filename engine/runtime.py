@@ -204,9 +204,9 @@ class ModelRuntime:
         self._link_hybrid()
 
     def _check_at_load(self) -> bool:
-        """Run the check at load (``engine.path_check``) and drop what it cached (counters too, unless a caller's
-        counters are running: they are kept as they were). On a failure, turn caching off with an
-        ``UncachedCallWarning`` (``_uncached_at_load``). Returns whether it failed. Changes the cache."""
+        """Run the check at load (``engine.path_check``), with the tiers detached, and drop what it cached; the
+        counters are put back as they were before it. On a failure, turn caching off (``_uncached_at_load``).
+        Returns whether it failed. Changes the cache."""
         stats = replace(self.cache.stats)
         index_stats = None if self.hybrid is None else replace(self.hybrid.index.stats)
         t0 = time.perf_counter()
@@ -223,12 +223,12 @@ class ModelRuntime:
 
     def _uncached_at_load(self, reason: str) -> None:
         """Keep the model without a pool (as ``on_unsupported="passthrough"`` does) because the check at load found
-        ``reason``; warns once. Changes everything the cache is made of."""
+        ``reason`` (a tier opened before, when a dtype or device change is checked, is closed); warns once. Changes
+        everything the cache is made of."""
+        self.close()
         self.load_check_reason = self.unsupported_reason = reason
         self.hybrid = None
         self.pool = None
-        self._engine, self._engine_reason = None, None
-        self.tier, self._state_tier = None, None
         self.cache = PrefixCache(CacheConfig(num_blocks=1, block_size=self.block_size, eviction=self.config.eviction))
         self.causes = LiveCauses(self.block_size, self.config.history_bound(self.block_size))
         self.warn_once(

@@ -323,6 +323,10 @@ class PrefixCachedModel:
             assert input_ids is not None
             self.last_uncached_reason = None
             rt.follow()
+            if rt.unsupported_reason is not None:  # a dtype or device change failed its check at load just now
+                return self._run_uncached(
+                    f"model not cacheable: {rt.unsupported_reason}", input_ids, attention_mask, kwargs
+                )
             self._active += 1
             try:
                 hints = row_hints(snapshot_hints, len(names))

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from serve_testutil import bare_greedy
 
-from engine import ModelRuntime, RuntimeConfig, contiguous
+from engine import ModelRuntime, RuntimeConfig, UncachedCallWarning, contiguous
 from engine.models import build_preset
 from engine.serve.batcher import Batcher
 from engine.serve.protocol import Finished, GenerateCall
@@ -104,3 +105,28 @@ def test_mixed_limits_batch_cap_and_sampling_groups(monkeypatch):
     # the sampled calls: top_p 0.9 twice together, then top_p 0.5 alone, each with its own settings
     assert sorted((s["rows"], s["top_p"], s["temperature"]) for s in seen[2:]) == [(1, 0.5, 0.8), (2, 0.9, 0.8)]
     assert all(n <= 4 for n in lengths)
+
+
+def test_a_runtime_whose_check_at_load_failed_is_served_uncached(monkeypatch):
+    """serve on a model whose cached path failed its check on this install: the batcher (the engine is off too)
+    runs the bare model's generate, replies equal the bare model's, nothing is cached."""
+    from engine import path_check
+
+    model, tok = build_preset(MODEL)
+    monkeypatch.setattr(path_check, "contiguous_reason", lambda rt: "a difference this release shows (simulated)")
+    with pytest.warns(UncachedCallWarning, match="simulated"):
+        runtime = ModelRuntime(model, RuntimeConfig(max_cached_tokens=1_024, block_size=16))
+    assert runtime.pool is None and runtime.engine() is None
+    prompt = list(tok("the same prompt twice").input_ids)
+
+    async def scenario() -> list[list[int]]:
+        batcher = Batcher(runtime, max_batch_size=4, batch_wait_ms=1)
+        await batcher.start()
+        try:
+            return [await _collect(batcher, GenerateCall(f"c{i}", tuple(prompt), "", 5)) for i in range(2)]
+        finally:
+            await batcher.stop()
+
+    for out in asyncio.run(scenario()):
+        assert out == bare_greedy(model, prompt, 5)
+    assert runtime.cache_stats()["cached_tokens"] == 0

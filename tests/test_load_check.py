@@ -185,3 +185,20 @@ def test_a_paged_probe_that_fails_turns_the_engine_off_with_the_versions(monkeyp
     ids = torch.tensor([prompt])
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert out["req_0"].generated_tokens == ref[0, len(prompt) :].tolist()
+
+
+def test_a_check_failing_after_a_dtype_change_closes_the_tier_and_runs_uncached(tmp_path, monkeypatch):
+    from engine import path_check
+
+    model = tiny_model("llama")
+    pcm = PrefixCachedModel(model, max_cached_tokens=512, block_size=4, disk_cache=str(tmp_path / "tier"))
+    tier = pcm.runtime.tier
+    assert tier is not None and pcm.runtime.load_check_reason is None
+    monkeypatch.setattr(path_check, "contiguous_reason", lambda rt: "a difference this dtype shows (simulated)")
+    model.to(torch.float64)
+    ids = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(UncachedCallWarning, match="simulated"):
+        out = pcm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert pcm.runtime.tier is None and pcm.runtime.pool is None and tier._closed
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, ref)

@@ -144,10 +144,7 @@ def _run_step(module: Any, original: Any, step: _Step, hidden: torch.Tensor, kwa
     for s in step.segments:
         if s.length == 1 and s.has_state:
             continue
-        layer = pool.view_layer(i, s.slot, states)
-        if not s.has_state:
-            for j in range(states):
-                layer.has_previous_state[j] = False
+        layer = pool.view_layer(i, s.slot, states, previous=s.has_state)
         cache = SlotCache(n, i, layer)
         piece = hidden[:, s.start : s.start + s.length]
         if tokenwise and s.has_state:

@@ -81,10 +81,9 @@ def stack_states(
     count ``length`` (``layer_state.write``). A row that computed nothing (a one-token prompt) joins with a zero
     state. Raises RuntimeError when the cache then reports another length. Changes ``cache``."""
     any_state = False
+    stacked: dict[int, dict[tuple[int, str], torch.Tensor]] = {}  # per recurrent layer: its rows' tensors
     for i, n in zip(hy.spec.layers, hy.spec.states):
-        target = cache.layers[i]
-        assert isinstance(target, LinearAttentionCacheLayerMixin), f"cache layer {i} keeps no recurrent state"
-        stacked: dict[tuple[int, str], torch.Tensor] = {}
+        stacked[i] = {}
         for j in range(n):
             for kind in ("conv", "recurrent"):
                 pool = hy.pool.tensors.get((i, j, kind))
@@ -101,14 +100,12 @@ def stack_states(
                     else:
                         rows.append(held.to(pool.dtype))
                         any_state = True
-                stacked[(j, kind)] = torch.cat(rows).repeat_interleave(copies, dim=0)
-        kernels = {j: hy.pool.kernel(i, j) for j in range(n)}
-        layer_state.write(target, stacked, kernels, length=length)
+                stacked[i][(j, kind)] = torch.cat(rows).repeat_interleave(copies, dim=0)
     for i, n in zip(hy.spec.layers, hy.spec.states):
-        layer = cache.layers[i]
-        assert isinstance(layer, LinearAttentionCacheLayerMixin)
-        for j in range(n):
-            layer.has_previous_state[j] = any_state
+        target = cache.layers[i]
+        assert isinstance(target, LinearAttentionCacheLayerMixin), f"cache layer {i} keeps no recurrent state"
+        kernels = {j: hy.pool.kernel(i, j) for j in range(n)}
+        layer_state.write(target, stacked[i], kernels, length=length, previous=any_state)
     layer_state.check_length(cache, length)
 
 

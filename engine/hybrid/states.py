@@ -124,14 +124,20 @@ class StatePool:
         for t in self.tensors.values():
             t[slot].zero_()
 
-    def view_layer(self, layer_idx: int, slots: int | Sequence[int], number_of_states: int) -> LinearAttentionLayer:
+    def view_layer(
+        self, layer_idx: int, slots: int | Sequence[int], number_of_states: int, *, previous: bool = True
+    ) -> LinearAttentionLayer:
         """A cache layer for recurrent layer ``layer_idx`` whose tensors are the pool's rows ``slots`` (one slot: a
         view, written in place; several: a gathered copy, see ``scatter_layer``), marked as holding a previous
-        state. Its token count is 0: on the paged path positions are explicit and only the model-level cache
+        state (``previous``; False: a fresh sequence). Its token count is 0: on the paged path positions are explicit and only the model-level cache
         (``engine.paged.attention``) is asked for a length. Changes nothing."""
         layer = LinearAttentionLayer(number_of_states=number_of_states)
         layer_state.write(
-            layer, self._layer_tensors(layer_idx, number_of_states, slots), self._layer_kernels(layer_idx), length=0
+            layer,
+            self._layer_tensors(layer_idx, number_of_states, slots),
+            self._layer_kernels(layer_idx),
+            length=0,
+            previous=previous,
         )
         return layer
 

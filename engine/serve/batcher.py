@@ -294,10 +294,15 @@ class Batcher:
             raise RuntimeError(f"the batcher's generate settings cannot use the cache: {reason}")
         with rt.lock:
             rt.follow()
-            names, hints = [c.namespace for c in calls], [c.hints for c in calls]
-            _, rows = contiguous.generate(rt, ids.to(rt.device), mask.to(rt.device), gc, names, kwargs, hints)
+            if rt.pool is None:  # caching is off (a check at load failed on this install): the bare model's generate
+                rt.model.generate(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device), **kwargs)
+                cached = [0] * len(calls)
+            else:
+                names, hints = [c.namespace for c in calls], [c.hints for c in calls]
+                _, rows = contiguous.generate(rt, ids.to(rt.device), mask.to(rt.device), gc, names, kwargs, hints)
+                cached = [row.cached_tokens for row in rows]
             self._cache_stats = rt.cache_stats()
         if self.after_batch is not None:
             self.after_batch()
         for r, job in enumerate(jobs):
-            job.send(Finished(job.finish or "length", len(job.call.prompt), rows[r].cached_tokens, len(job.tokens)))
+            job.send(Finished(job.finish or "length", len(job.call.prompt), cached[r], len(job.tokens)))

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -295,7 +295,8 @@ class Batcher:
         with rt.lock:
             rt.follow()
             if rt.pool is None:  # caching is off (a check at load failed on this install): the bare model's generate
-                rt.model.generate(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device), **kwargs)
+                bare = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)
+                bare(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device), **kwargs)
                 cached = [0] * len(calls)
             else:
                 names, hints = [c.namespace for c in calls], [c.hints for c in calls]

@@ -26,10 +26,13 @@ from engine import hf_cache
 from engine.hybrid import recurrent
 from engine.hybrid.rows import BoundaryCapture, HybridRow, prefill, stack_states
 from engine.kv_pool import LayerKV
+from engine.media.families import inner
+from engine.media.inputs import MediaCall
 from engine.runtime import ModelRuntime, eos_ids
 from prefixcache.core import MatchResult
 from prefixcache.core.cache import RequestHandle
 from prefixcache.core.hashing import as_token_array
+from prefixcache.core.key_material import keyed_tokens
 from prefixcache.sim.causes import Fork, LiveRequest
 
 
@@ -66,13 +69,17 @@ def generate(
     names: Sequence[str],
     kwargs: dict[str, Any],
     hints: Sequence[Sequence[int]] | None = None,
+    media: MediaCall | None = None,
 ) -> tuple[Any, tuple[RowStats, ...]]:
     """``rt.model.generate`` over ``input_ids`` (left padding only, marked by ``attention_mask``; None: no padding)
     with generation config ``gc`` and ``kwargs``, each row served from its longest cached prefix in namespace
     ``names[r]``; returns what generate returns and each input row's ``RowStats``. The caller holds ``rt.lock`` and
     has called ``rt.follow()``. Changes the cache: matched blocks refreshed, new full blocks of prompt + output
     inserted. A hybrid model's rows are served up to their deepest recurrent-state snapshot (``engine.hybrid``);
-    ``hints[r]``: token positions of row r (after its padding) where prefixes diverge, to snapshot at."""
+    ``hints[r]``: token positions of row r (after its padding) where prefixes diverge, to snapshot at. ``media``:
+    the call's images (``engine.media``; ``kwargs`` then holds none of their inputs): each row is keyed by its key
+    stream (its images' content in the blocks they touch), its suffix prefilled here with the encoder outputs
+    of the placeholders it holds, and generate decodes from text over that cache."""
     batch, width = input_ids.shape
     if attention_mask is None:
         pads = [0] * batch
@@ -93,6 +100,8 @@ def generate(
         for r, (row, name) in enumerate(zip(rows, names)):
             ns = rt.namespace(name)
             ids = as_token_array(row.detach().cpu())
+            if media is not None:
+                ids = keyed_tokens(ids, media.material[r], rt.block_size, rt.cache.config.hash_seed)
             kv_cached: int | None = None  # a hybrid row: its KV match, which may reach past its snapshot
             if hy is None:
                 m = rt.cache.match(ids, ns)
@@ -128,11 +137,11 @@ def generate(
             tiered.append(len(got))
             live.append(rt.causes.request(ids, ns, m.cached_tokens, kv_cached=kv_cached))
         # a hybrid row's suffix is always prefilled on its own: its state must see no padding
-        ready = matches[0].cached_tokens if batch == 1 and hy is None else width - 1
+        ready = matches[0].cached_tokens if batch == 1 and hy is None and media is None else width - 1
         bufs = pool.buffers(batch * copies, width + _new_tokens_bound(rt, gc, kwargs, width))
         row_caches = []
         for r, m in enumerate(matches):
-            row_caches.append(_prepare_row(rt, bufs, r * copies, pads[r], rows[r], m, ready, plans[r]))
+            row_caches.append(_prepare_row(rt, bufs, r * copies, pads[r], rows[r], m, ready, plans[r], media, r))
             for kv in bufs if copies > 1 else ():
                 if kv is not None:
                     for side in kv:
@@ -147,6 +156,8 @@ def generate(
                 "stopping_criteria": StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), capture]),
             }
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        if media is not None and media.deltas is not None:  # the decode steps' M-RoPE offset: this batch's
+            inner(rt.model).rope_deltas = media.deltas.repeat_interleave(copies, dim=0).to(input_ids.device)
         generate_fn = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)
         with recurrent.stepwise() if hy is not None and hy.tokenwise else contextlib.nullcontext():
             out = generate_fn(
@@ -156,7 +167,8 @@ def generate(
             pool.surrender_buffers()  # the caller now holds the cache, which lives in them
         inserted = [0] * batch
         if rt.epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
-            inserted = _commit_or_drop(rt, out, cache, _Rows(matches, pads, width, gc, live, plans, capture))
+            material = [{}] * batch if media is None else media.material
+            inserted = _commit_or_drop(rt, out, cache, _Rows(matches, pads, width, gc, live, plans, capture, material))
         stats = tuple(
             RowStats(
                 len(row),
@@ -188,6 +200,7 @@ class _Rows:
     live: list[LiveRequest]
     plans: list[HybridRow | None]
     capture: BoundaryCapture | None
+    material: list[dict[int, bytes]]  # each row's key material (images), folded into what it commits
 
 
 def _commit_or_drop(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list[int]:
@@ -228,10 +241,13 @@ def _prepare_row(
     m: MatchResult,
     ready: int,
     plan: HybridRow | None,
+    media: MediaCall | None = None,
+    row: int = 0,
 ) -> DynamicCache | None:
     """Fill row ``r`` of the batch buffers up to padded position ``ready``: zeros over the padding, the cached
-    prefix gathered from the pool, then (batches, hybrid models) the uncached suffix computed by the model; a hybrid
-    row starts from its snapshot's state and keeps snapshots on the way. Returns the row's cache (None when
+    prefix gathered from the pool, then (batches, hybrid models, images) the uncached suffix computed by the model;
+    a hybrid row starts from its snapshot's state and keeps snapshots on the way; input row ``row`` of ``media``
+    gives the suffix its placeholders' encoder outputs and (M-RoPE) positions. Returns the row's cache (None when
     ``generate`` computes the suffix itself)."""
     cached = m.cached_tokens
     for kv in bufs:
@@ -261,6 +277,11 @@ def _prepare_row(
             hf_cache.settle(row_cache, row_bufs, cached + todo)
         return row_cache
     ids = tokens[cached : cached + todo].unsqueeze(0)
+    extra: dict[str, Any] = {}
+    if media is not None:
+        enc = media.encoder_outputs(rt.model, rt.encoder_cache, row, cached, cached + todo)
+        pos = media.position_ids(row, pad + cached, pad + cached + todo)
+        extra = {k: v for k, v in (("mm_encoder_outputs", enc), ("position_ids", pos)) if v is not None}
     with torch.no_grad():
         rt.model(
             input_ids=ids,
@@ -268,6 +289,7 @@ def _prepare_row(
             use_cache=True,
             **{hf_cache.cache_kwarg(rt.model): row_cache},
             **hf_cache.last_logits_only(rt.model),
+            **extra,
         )
     hf_cache.settle(row_cache, row_bufs, cached + todo)
     return row_cache
@@ -291,6 +313,8 @@ def _commit_outputs(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list
             if len(hit):
                 stop = width + int(hit[0]) + 1
         committed = as_token_array(seqs[i, pads[r] : stop].detach().cpu())
+        if rows.material[r]:
+            committed = keyed_tokens(committed, rows.material[r], rt.block_size, rt.cache.config.hash_seed)
         handle = matches[r].handle
         res = rt.cache.commit(handle, committed)
         rt.causes.committed(live[r], committed, res)

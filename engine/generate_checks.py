@@ -3,7 +3,7 @@
 Anything that cannot be served exactly from a cached prefix runs uncached (plain ``model.generate``): beam search
 and other non greedy/sampling modes, ``use_cache=False``, ``inputs_embeds``, ``output_attentions`` /
 ``output_hidden_states`` (their prompt step would cover only the suffix), static/quantized cache implementations,
-inputs beside the ids (``pixel_values`` and other media or tensors: not in the block keys), right padding,
+inputs beside the ids that the model's image family does not key (``engine.media``), right padding,
 missing ``attention_mask`` with pad tokens in the ids, non-integer or empty ids. Each check returns
 the reason, or None. Nothing here changes anything.
 """
@@ -25,8 +25,11 @@ _BATCH_SHAPED_KWARGS = ("position_ids", "token_type_ids", "cache_position", "dec
 _MEDIA_PREFIXES = ("pixel_", "image_", "video_", "audio_", "input_features", "mm_")
 
 
-def uncached_reason(input_ids: Any, attention_mask: Any, kwargs: dict[str, Any]) -> str | None:
-    """Why a call with these arguments must run uncached, or None."""
+def uncached_reason(
+    input_ids: Any, attention_mask: Any, kwargs: dict[str, Any], media: Sequence[str] = (), media_reason: str = ""
+) -> str | None:
+    """Why a call with these arguments must run uncached, or None. ``media``: the media kwargs the model's image
+    family takes into its block keys (``engine.media``); ``media_reason``: why it takes none."""
     if input_ids is None:
         return "no input_ids (inputs_embeds or no prompt)"
     if kwargs.get("inputs_embeds") is not None:
@@ -43,10 +46,13 @@ def uncached_reason(input_ids: Any, attention_mask: Any, kwargs: dict[str, Any])
         if kwargs.get(key) is not None:
             return f"{key} given"
     for key, value in kwargs.items():
+        if key in media:
+            continue
         if value is not None and (key.startswith(_MEDIA_PREFIXES) or isinstance(value, torch.Tensor)):
+            why = f" ({media_reason})" if media_reason else ""
             return (
                 f"{key} given: inputs beside input_ids (images, audio, extra tensors) are not part of the cache's "
-                "block keys, so a prompt holding them is not served from cache"
+                f"block keys on this model{why}, so a prompt holding them is not served from cache"
             )
     if kwargs.get("custom_generate") is not None or kwargs.get("assistant_model") is not None:
         return "custom_generate / assistant_model given"

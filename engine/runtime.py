@@ -38,6 +38,8 @@ from engine.errors import (
 from engine.hybrid.setup import open_hybrid
 from engine.hybrid.store import HybridStates
 from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
+from engine.media.encoder_cache import DEFAULT_MAX_ENCODER_CACHE_BYTES, EncoderCache
+from engine.media.families import Family, family_for
 from engine.names import cache_namespace
 from engine.paged import linear
 from engine.paged.runner import PROBE_TOLERANCE, paged_unsupported_reason, probe_difference
@@ -69,7 +71,9 @@ class RuntimeConfig:
     4 pools' worth; "unlimited"). ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens.
     Hybrid models (recurrent layers beside attention, docs/hybrid.md): ``max_cached_states`` recurrent-state
     snapshots are kept (None: 64) beside a live state per running engine request; ``snapshot_interval``: also keep
-    one every so many blocks of a prompt (0: only where the policy says)."""
+    one every so many blocks of a prompt (0: only where the policy says). Images (docs/multimodal.md): the vision
+    tower's output of each image is kept by content id up to ``max_encoder_cache_bytes`` (default 256 MiB; 0:
+    none)."""
 
     max_cached_tokens: int | None = None
     max_cached_bytes: int | None = None
@@ -86,6 +90,7 @@ class RuntimeConfig:
     miss_history_tokens: int | str | None = None
     max_cached_states: int | None = None
     snapshot_interval: int = 0
+    max_encoder_cache_bytes: int = DEFAULT_MAX_ENCODER_CACHE_BYTES
 
     def __post_init__(self) -> None:
         if self.max_cached_tokens is not None and self.max_cached_bytes is not None:
@@ -105,6 +110,8 @@ class RuntimeConfig:
             object.__setattr__(self, "max_cached_states", _positive("max_cached_states", self.max_cached_states))
         interval = check_int(self.snapshot_interval, "PrefixCachedModel: snapshot_interval", minimum=0)
         object.__setattr__(self, "snapshot_interval", interval)
+        enc = check_int(self.max_encoder_cache_bytes, "PrefixCachedModel: max_encoder_cache_bytes", minimum=0)
+        object.__setattr__(self, "max_encoder_cache_bytes", enc)
 
     def history_bound(self, pool_tokens: int) -> int | None:
         """The miss-cause history's bound in tokens (None: unbounded)."""
@@ -149,6 +156,10 @@ class ModelRuntime:
         self._engine_reason: str | None = None
         self._linears: Any = None
         self._warned: set[str] = set()
+        self.encoder_cache = EncoderCache(config.max_encoder_cache_bytes)
+        # the model's image layout (engine.media), or why prompts with images on it run uncached
+        self.media_family: Family | None
+        self.media_family, self.media_reason = family_for(model)
         self._tier_served_base = 0  # the tier's served_blocks at the last counter reset (the tier outlives it)
         self.unsupported_reason = hf_cache.unsupported_reason(model)
         if self.unsupported_reason is not None and on_unsupported == "error":
@@ -403,6 +414,7 @@ class ModelRuntime:
         self._linears = None
         self.cache.reset(keep_stats=keep_stats)
         self.causes.reset()
+        self.encoder_cache.clear(keep_stats=keep_stats)
         if self.hybrid is not None:
             self.hybrid.reset()
         if not keep_stats and self.tier is not None:
@@ -508,6 +520,7 @@ class ModelRuntime:
             d["block_hit_rate"] = d["hit_blocks"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
             if self.hybrid is not None:
                 d.update(self.hybrid.stats())
+            d.update(self.encoder_cache.stats())
             if self._state_tier is not None:
                 st = self._state_tier.counters
                 d.update(state_tier_written=st.written_blocks, state_tier_served=st.served_blocks)

@@ -32,6 +32,7 @@ from engine.errors import (
 from engine.explain import Explanation
 from engine.generate_checks import merged_config, row_hints, row_names, uncached_reason, unmasked_pads_reason
 from engine.kv_pool import KVPool
+from engine.media.inputs import ends_in_image, prepare
 from engine.models import context_length
 from engine.runtime import DEFAULT_MAX_CACHED_TOKENS, HISTORY_FACTOR, ModelRuntime, RuntimeConfig, eos_ids
 from engine.tier import KVTier
@@ -312,7 +313,10 @@ class PrefixCachedModel:
             reason = "nested call (from inside another generate of this wrapper)" if self._active else None
             if reason is None and rt.unsupported_reason is not None:
                 reason = f"model not cacheable: {rt.unsupported_reason}"
-            reason = reason or uncached_reason(input_ids, attention_mask, kwargs)
+            fam = rt.media_family if rt.hybrid is None else None
+            keyed = (*fam.inputs, *fam.optional) if fam is not None else ()
+            why = rt.media_reason or ("" if fam is not None else "images on a hybrid model are not cached yet")
+            reason = reason or uncached_reason(input_ids, attention_mask, kwargs, keyed, why)
             if reason is None:
                 gc, reason = merged_config(self.model, kwargs)
             if reason is None:
@@ -327,11 +331,14 @@ class PrefixCachedModel:
                 return self._run_uncached(
                     f"model not cacheable: {rt.unsupported_reason}", input_ids, attention_mask, kwargs
                 )
+            media, rest = prepare(self.model, fam, input_ids, attention_mask, kwargs, rt.block_size)
+            if media is not None and ends_in_image(media, input_ids.shape[1]):
+                return self._run_uncached("a prompt ends with an image placeholder", input_ids, attention_mask, kwargs)
             self._active += 1
             try:
                 hints = row_hints(snapshot_hints, len(names))
                 out, self.last_request_stats = contiguous.generate(
-                    rt, input_ids, attention_mask, gc, names, kwargs, hints
+                    rt, input_ids, attention_mask, gc, names, rest, hints, media
                 )
                 return out
             finally:

@@ -62,7 +62,7 @@ def keyed_tokens(tokens: Any, material: Mapping[int, bytes], block_size: int, se
             f"block_size {block_size} is too small to key blocks by their media content; use >= {MIN_BLOCK_SIZE}"
         )
     nblocks = -(-len(arr) // block_size)
-    out = arr.copy()
+    out: np.ndarray = arr.copy()
     view = out.view(np.uint32)
     reps = -(-block_size // _WORDS_PER_DIGEST)
     for b, m in material.items():

@@ -3,8 +3,10 @@
 Presets are models with seeded random weights and a byte-level tokenizer: 256 byte tokens plus special tokens
 (``<|bos|>``, ``<|eos|>``, ``<|pad|>``, role markers) and a chat template. ``tiny`` and ``small`` are Llama-style;
 ``tiny-hybrid`` and ``small-hybrid`` have Qwen3.5's hybrid layer pattern (three gated-delta-net linear-attention
-layers to one full-attention layer). Random weights give meaningless text but real compute: enough for cache
-correctness and speed measurements.
+layers to one full-attention layer); ``tiny-vlm`` and ``small-vlm`` are Qwen2.5-VL-shaped image-text models (a
+windowed ViT, 2x2 patch merge, M-RoPE) with the family's image processor configured here (``image_processor``)
+and a chat template that takes image parts. Random weights give meaningless text but real compute: enough for
+cache correctness and speed measurements.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# content as a string, or as parts: {"type": "text", "text": ...} and {"type": "image"} (one image's placeholder)
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,8 @@ class Preset:
     family: str = "llama"
     head_dim: int | None = None
     linear: tuple[int, int, int] | None = None
+    vision: tuple[int, int, int] | None = None  # qwen2_5_vl: the ViT's depth, hidden size and heads
+    max_image_tokens: int = 0  # qwen2_5_vl: the image processor's bound on one image's placeholder tokens
 
 
 PRESETS: dict[str, Preset] = {
@@ -85,6 +98,29 @@ PRESETS: dict[str, Preset] = {
         head_dim=16,
         linear=(2, 4, 16),
     ),
+    "tiny-vlm": Preset(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        family="qwen2_5_vl",
+        vision=(2, 32, 2),
+        max_image_tokens=256,
+    ),
+    "small-vlm": Preset(  # the small text model beside a 4-layer ViT of 256; an image is up to 1,280 tokens
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2560,
+        max_position_embeddings=8192,
+        family="qwen2_5_vl",
+        vision=(4, 256, 4),
+        max_image_tokens=1280,
+    ),
     "small-hybrid": Preset(  # 99.2M parameters; one recurrent-state snapshot: 1.9 MiB (the KV of 324 tokens)
         hidden_size=768,
         num_hidden_layers=12,
@@ -99,8 +135,9 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level ``PreTrainedTokenizerFast``: ids 0-255 are bytes, then the special tokens; a chat template."""
+def byte_tokenizer(vision: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level ``PreTrainedTokenizerFast``: ids 0-255 are bytes, then the special tokens; a chat template.
+    ``vision``: also the image tokens (``VISION_TOKENS``) and a chat template that takes image parts."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -111,7 +148,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + (list(VISION_TOKENS) if vision else []))
     bos = 256
     tok.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos)]
@@ -122,7 +159,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<|eos|>",
         pad_token="<|pad|>",
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE,
     )
 
 
@@ -147,9 +184,10 @@ def build_preset(
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-    tokenizer = byte_tokenizer()
     p = PRESETS[name]
-    common = {k: v for k, v in asdict(p).items() if k not in ("family", "head_dim", "linear")}
+    tokenizer = byte_tokenizer(vision=p.vision is not None)
+    shape_only = ("family", "head_dim", "linear", "vision", "max_image_tokens")
+    common = {k: v for k, v in asdict(p).items() if k not in shape_only}
     special = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -173,6 +211,8 @@ def build_preset(
             ],
         )
         factory: Any = Qwen3_5ForCausalLM
+    elif p.family == "qwen2_5_vl":
+        config, factory = _vlm_config(p, common, special, tokenizer)
     else:
         config = LlamaConfig(**common, **special)
         factory = LlamaForCausalLM
@@ -187,6 +227,63 @@ def build_preset(
         do_sample=False,
     )
     return model, tokenizer
+
+
+def _vlm_config(p: Preset, common: dict[str, Any], special: dict[str, Any], tokenizer: Any) -> tuple[Any, Any]:
+    """A Qwen2.5-VL config of preset ``p`` (M-RoPE sections in the ratio Qwen uses) and its model class."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    assert p.vision is not None
+    depth, width, heads = p.vision
+    half = p.hidden_size // p.num_attention_heads // 2
+    t = half // 4
+    text = {
+        **common,
+        **special,
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2],
+            "rope_theta": 1_000_000.0,
+        },
+    }
+    vision = dict(
+        depth=depth,
+        hidden_size=width,
+        num_heads=heads,
+        intermediate_size=4 * width,
+        out_hidden_size=p.hidden_size,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[depth - 1],
+        in_channels=3,
+    )
+    ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        vision_start_token_id=ids[0],
+        vision_end_token_id=ids[1],
+        image_token_id=ids[2],
+        video_token_id=ids[3],
+        tie_word_embeddings=False,
+    )
+    return config, Qwen2_5_VLForConditionalGeneration
+
+
+def image_processor(name: str) -> Any:
+    """The image processor of an image-text preset (Qwen2-VL's, configured here: 14-pixel patches, 2x2 merge, up
+    to the preset's ``max_image_tokens`` per image), or None for a text preset."""
+    p = PRESETS.get(name)
+    if p is None or p.vision is None:
+        return None
+    from transformers import Qwen2VLImageProcessor
+
+    unit = 28 * 28  # one placeholder token: a 2x2 merge of 14-pixel patches
+    return Qwen2VLImageProcessor(
+        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=4 * unit, max_pixels=p.max_image_tokens * unit
+    )
 
 
 def load_model(

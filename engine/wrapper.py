@@ -32,6 +32,7 @@ from engine.errors import (
 from engine.explain import Explanation
 from engine.generate_checks import merged_config, row_hints, row_names, uncached_reason, unmasked_pads_reason
 from engine.kv_pool import KVPool
+from engine.media.encoder_cache import DEFAULT_MAX_ENCODER_CACHE_BYTES
 from engine.media.inputs import ends_in_image, prepare
 from engine.models import context_length
 from engine.runtime import DEFAULT_MAX_CACHED_TOKENS, HISTORY_FACTOR, ModelRuntime, RuntimeConfig, eos_ids
@@ -78,6 +79,11 @@ class PrefixCachedModel:
     (``engine.weights``: version counters, storage pointers and a few sampled values of every tensor) and drops
     the cache, keeping the counters, with a ``StaleCacheWarning`` naming a changed tensor. A write through
     ``.data`` confined to a few elements (one edited embedding row) can go unnoticed: call ``reset_cache()``.
+
+    Images (docs/multimodal.md): on the families ``engine.media.families`` lists, ``generate`` takes what the
+    processor gives (``pixel_values``, ``image_grid_thw``, ...); each image's content is in the keys of the blocks
+    its placeholders fall in, so another image behind the same placeholder ids never hits, and the vision tower's
+    output is kept by content id up to ``max_encoder_cache_bytes``. Other families run such calls uncached.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class PrefixCachedModel:
         miss_history_tokens: int | str | None = None,
         max_cached_states: int | None = None,
         snapshot_interval: int = 0,
+        max_encoder_cache_bytes: int = DEFAULT_MAX_ENCODER_CACHE_BYTES,
     ) -> None:
         config = RuntimeConfig(
             max_cached_tokens=max_cached_tokens,
@@ -118,6 +125,7 @@ class PrefixCachedModel:
             miss_history_tokens=miss_history_tokens,
             max_cached_states=max_cached_states,
             snapshot_interval=snapshot_interval,
+            max_encoder_cache_bytes=max_encoder_cache_bytes,
         )
         self._init(ModelRuntime(model, config, on_unsupported=on_unsupported, hasher=hasher))
 

@@ -221,7 +221,7 @@ def test_presets_match_engine_models():
             snapshot = 0 if rt.hybrid is None else rt.hybrid.spec.bytes_per_snapshot
         assert m.bytes_per_token == pool.nbytes // (pool.num_blocks * pool.block_size), name
         assert m.state_bytes == snapshot, name
-        assert m.hybrid == (p.family != "llama") and (m.total_layers or m.layers) == p.num_hidden_layers
+        assert m.hybrid == (p.family == "qwen3_5") and (m.total_layers or m.layers) == p.num_hidden_layers
 
 
 # ---- hybrid and latent-attention families: config.json as transformers writes it, against the real models ------

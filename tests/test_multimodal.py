@@ -241,3 +241,19 @@ def test_images_on_a_family_not_listed_run_uncached_with_the_reason(monkeypatch)
         got = pcm.generate(ids, attention_mask=mask, **media, **KW)
     assert torch.equal(got.sequences, fam.model.generate(ids, attention_mask=mask, **media, **KW).sequences)
     assert pcm.cache_stats()["blocks_used"] == 0
+
+
+def test_the_disk_tier_serves_an_image_prompt_only_for_that_image(tmp_path):
+    """Blocks written through to the disk tier carry their image's content in their keys: after a restart the same
+    image is served from disk; another image behind the same placeholder ids is not."""
+    fam = Family("qwen2_5_vl")
+    prompt = [*SYS, Image(1), *Q1]
+    first = wrap(fam, disk_cache=tmp_path)
+    compare(fam, first, [prompt])
+    first.close()
+    again = wrap(fam, disk_cache=tmp_path)
+    (hit,) = compare(fam, again, [[*prompt, 77]])
+    assert again.last_request_stats[0].tier_tokens == hit == (len(fam.inputs([prompt])[0][0])) // BS * BS
+    (other,) = compare(fam, again, [[*SYS, Image(2), *Q1, 77]])
+    assert other == first_placeholder(fam, len(SYS)) // BS * BS
+    again.close()

@@ -83,7 +83,8 @@ def describe_model(model: str) -> ModelInfo:
 
     if model in PRESETS:
         p = PRESETS[model]
-        return ModelInfo(model, byte_tokenizer(), p.max_position_embeddings, p.vocab_size, 0.0, p.family != "llama")
+        tok = byte_tokenizer(vision=p.vision is not None)
+        return ModelInfo(model, tok, p.max_position_embeddings, p.vocab_size, 0.0, p.family == "qwen3_5")
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.cache_utils import DynamicCache
 

@@ -145,13 +145,16 @@ def _hybrid_preset(name: str, layers: Layers, kv_heads: int, head_dim: int) -> K
 # (head dim 16), 2 KV heads, 2 layers; small has hidden 768, 12 heads (head dim 64), 12 KV heads, 12 layers.
 # "tiny-hybrid" and "small-hybrid" have Qwen3.5's pattern (every fourth layer full attention, the others gated
 # delta nets, conv kernel 4): tiny-hybrid 4 layers, 2 KV heads of 16, linear 2 key / 4 value heads of 16;
-# small-hybrid 12 layers, 4 KV heads of 64, linear 6 key / 12 value heads of 64. Keep in sync with
+# small-hybrid 12 layers, 4 KV heads of 64, linear 6 key / 12 value heads of 64. "tiny-vlm" and "small-vlm" are
+# Qwen2.5-VL-shaped (image-text; their KV is tiny's and small's text model with 2 and 4 KV heads). Keep in sync with
 # engine/models.py (tests/test_memory.py checks them against the real models: KV pool and state snapshot).
 PRESETS: dict[str, KVShape] = {
     "tiny": KVShape("tiny", layers=2, kv_heads=2, head_dim=16, dtype="float32"),
     "small": KVShape("small", layers=12, kv_heads=12, head_dim=64, dtype="float32"),
     "tiny-hybrid": _hybrid_preset("tiny-hybrid", preset_layers(4, 2, 4, 16), kv_heads=2, head_dim=16),
     "small-hybrid": _hybrid_preset("small-hybrid", preset_layers(12, 6, 12, 64), kv_heads=4, head_dim=64),
+    "tiny-vlm": KVShape("tiny-vlm", layers=2, kv_heads=2, head_dim=16, dtype="float32"),
+    "small-vlm": KVShape("small-vlm", layers=12, kv_heads=4, head_dim=64, dtype="float32"),
 }
 
 

@@ -27,7 +27,7 @@ from engine.hybrid import recurrent
 from engine.hybrid.rows import BoundaryCapture, HybridRow, prefill, stack_states
 from engine.kv_pool import LayerKV
 from engine.media.families import inner
-from engine.media.inputs import MediaCall
+from engine.media.inputs import MediaCall, build
 from engine.runtime import ModelRuntime, eos_ids
 from prefixcache.core import MatchResult
 from prefixcache.core.cache import RequestHandle
@@ -81,6 +81,9 @@ def generate(
     stream (its images' content in the blocks they touch), its suffix prefilled here with the encoder outputs
     of the placeholders it holds, and generate decodes from text over that cache."""
     batch, width = input_ids.shape
+    fam = rt.media_family
+    if media is None and fam is not None and fam.mrope:  # a text call on an M-RoPE model: its 3-D positions
+        media = build(rt.model, fam, input_ids, _mask(input_ids, attention_mask), {}, rt.block_size)
     if attention_mask is None:
         pads = [0] * batch
     else:
@@ -155,7 +158,7 @@ def generate(
                 **kwargs,
                 "stopping_criteria": StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), capture]),
             }
-        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        mask = _mask(input_ids, attention_mask)
         if media is not None and media.deltas is not None:  # the decode steps' M-RoPE offset: this batch's
             inner(rt.model).rope_deltas = media.deltas.repeat_interleave(copies, dim=0).to(input_ids.device)
         generate_fn = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)
@@ -329,6 +332,10 @@ def _commit_outputs(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list
         if rows.capture is not None and plan is not None:
             rows.capture.publish(i, res.cached_blocks * rt.block_size, list(plan.keys), committed, plan.namespace)
     return inserted
+
+
+def _mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    return attention_mask if attention_mask is not None else torch.ones_like(input_ids)
 
 
 def _new_tokens_bound(rt: ModelRuntime, gc: Any, kwargs: dict[str, Any], prompt_len: int) -> int:

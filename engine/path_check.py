@@ -20,7 +20,6 @@ import torch
 from engine import contiguous
 from engine.generate_checks import merged_config
 from engine.hybrid.probe import tolerance
-from engine.media.inputs import prepare
 from engine.versions import label
 
 if TYPE_CHECKING:
@@ -48,18 +47,14 @@ def contiguous_difference(rt: ModelRuntime, seed: int = 0) -> tuple[float, str |
     if gc is None:
         return 0.0, f"the probe's generation settings are refused: {why}"
     with torch.inference_mode():
-        one = first[None].to(device)
-        media, _ = prepare(model, rt.media_family, one, None, kwargs, bs)  # M-RoPE families: their positions
-        contiguous.generate(rt, one, None, gc, [NAMESPACE], kwargs, [[shared]], media)
+        contiguous.generate(rt, first[None].to(device), None, gc, [NAMESPACE], kwargs, [[shared]])
         width = max(len(r) for r in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, width - len(r) :] = r
             mask[i, width - len(r) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        media, _ = prepare(model, rt.media_family, ids, mask, kwargs, bs)
-        out, stats = contiguous.generate(rt, ids, mask, gc, [NAMESPACE] * len(rows), kwargs, None, media)
+        out, stats = contiguous.generate(rt, ids.to(device), mask.to(device), gc, [NAMESPACE] * len(rows), kwargs, None)
         missed = [i for i, s in enumerate(stats) if s.cached_tokens < shared]
         if missed:
             return 0.0, f"the probe's rows {missed} were not served from the prompt stored before them"

@@ -151,13 +151,13 @@ def prepare(
     kwargs: dict[str, Any],
     block_size: int,
 ) -> tuple[MediaCall | None, dict[str, Any]]:
-    """A call's ``MediaCall`` (None: no images and 1-D positions) and the kwargs left for ``generate``: its media
-    kwargs go into the ``MediaCall``. ValueError for images that do not fit the placeholders."""
+    """A call's ``MediaCall`` (None: no images) and the kwargs left for ``generate``: its media kwargs go into the
+    ``MediaCall``. ValueError for images that do not fit the placeholders."""
     if family is None:
         return None, kwargs
     mine = media_kwargs(family, kwargs)
-    if not any(v is not None for v in mine.values()) and not family.mrope:
-        return None, kwargs
+    if not any(v is not None for v in mine.values()):  # text (an M-RoPE model's positions: contiguous.generate)
+        return None, {k: v for k, v in kwargs.items() if k not in mine}
     rest = {k: v for k, v in kwargs.items() if k not in mine}
     full = mask if mask is not None else torch.ones_like(input_ids)
     return build(model, family, input_ids, full, mine, block_size), rest

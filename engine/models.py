@@ -278,10 +278,10 @@ def image_processor(name: str) -> Any:
     p = PRESETS.get(name)
     if p is None or p.vision is None:
         return None
-    from transformers import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     unit = 28 * 28  # one placeholder token: a 2x2 merge of 14-pixel patches
-    return Qwen2VLImageProcessor(
+    return Qwen2VLImageProcessorPil(
         patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=4 * unit, max_pixels=p.max_image_tokens * unit
     )
 
@@ -311,11 +311,14 @@ def load_model(
 
 
 def context_length(config: Any) -> int | None:
-    """The longest sequence a model config allows (prompt + generated), or None."""
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    """The longest sequence a model config allows (prompt + generated), or None; an image-text model's is its
+    text model's."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for cfg in (config, text):
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
     return None
 
 

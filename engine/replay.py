@@ -162,7 +162,7 @@ def replay(
     if model in PRESETS and loaded is not None and len(tokenizer) <= 512:
         gen["suppress_tokens"] = _ascii_only(tokenizer)
     max_pos = getattr(hf_model.config, "max_position_embeddings", None)
-    vocab = hf_model.config.vocab_size
+    vocab = hf_model.config.get_text_config(decoder=True).vocab_size
     info: dict[str, Any] = {
         "model_class": type(hf_model).__name__,
         "dtype": str(next(hf_model.parameters()).dtype).removeprefix("torch."),

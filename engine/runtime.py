@@ -144,6 +144,7 @@ class ModelRuntime:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
+        self.processor: Any = None  # image-text models loaded by name: their processor (``load`` sets it)
         self.lock = threading.RLock()
         self.block_size = config.block_size
         self.epoch = 0  # bumped whenever the cache is dropped: a call that outlives its cache commits nothing
@@ -271,11 +272,14 @@ class ModelRuntime:
         seed: int = 0,
     ) -> ModelRuntime:
         """The runtime of a preset ("tiny", "small") or a local Hugging Face model folder (``engine.models``), its
-        tokenizer kept as ``tokenizer``."""
+        tokenizer kept as ``tokenizer`` and (image-text models) its processor as ``processor``."""
+        from engine.media.processor import load_processor
         from engine.models import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, seed=seed)
-        return cls(model, config, tokenizer=tokenizer)
+        rt = cls(model, config, tokenizer=tokenizer)
+        rt.processor = load_processor(name_or_path, tokenizer)
+        return rt
 
     def _open_hybrid(self) -> HybridStates | None:
         """The recurrent-state side of the cache (None for a model without recurrent layers), probed on the model

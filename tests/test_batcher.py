@@ -70,10 +70,10 @@ def test_mixed_limits_batch_cap_and_sampling_groups(monkeypatch):
     seen: list[dict] = []
     generate = contiguous.generate
 
-    def recording(rt, input_ids, attention_mask, gc, names, kwargs, hints=None):
+    def recording(rt, input_ids, attention_mask, gc, names, kwargs, hints=None, media=None):
         seen.append({k: kwargs.get(k) for k in ("max_new_tokens", "top_p", "temperature", "do_sample")})
         seen[-1]["rows"] = input_ids.shape[0]
-        return generate(rt, input_ids, attention_mask, gc, names, kwargs, hints)
+        return generate(rt, input_ids, attention_mask, gc, names, kwargs, hints, media)
 
     monkeypatch.setattr(contiguous, "generate", recording)
     prompts = [list(tok(t).input_ids) for t in ("mixed limits one", "two, a longer prompt", "three")]

@@ -24,6 +24,7 @@ class ServeConfig:
     max_batch_size: int = 8  # the batched-generate fallback only
     batch_wait_ms: float = 5.0  # the batched-generate fallback only
     default_max_tokens: int = 256
+    max_image_bytes: int = 8 * 2**20  # image-text models: the largest image a chat message may carry
     seed: int = 0
     log_level: str = "info"
     use_engine: bool = True
@@ -85,7 +86,7 @@ def run_local(cfg: ServeConfig) -> int:
 
     # torch runs on a thread that ends here, so the engine thread's OpenMP team is the process's only one
     backend = run_in_thread(load)
-    app = create_app(backend, default_max_tokens=cfg.default_max_tokens)
+    app = create_app(backend, default_max_tokens=cfg.default_max_tokens, max_image_bytes=cfg.max_image_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
     # uvicorn catches SIGINT/SIGTERM, drains in-flight requests, runs the app's shutdown, then re-raises the
     # signal with the handlers it found: quiet ones make that a normal return (exit status 0).

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from engine.hybrid.hints import message_ends
 from engine.serve.backend import Backend
 from engine.serve.detokenize import IncrementalText
+from engine.serve.images import DEFAULT_MAX_IMAGE_BYTES, decode_image
 from engine.serve.metrics import ServeMetrics
 from engine.serve.protocol import (
     APIError,
@@ -32,6 +33,7 @@ from engine.serve.protocol import (
     CompletionRequest,
     Finished,
     GenerateCall,
+    ImagePart,
     error_body,
     new_id,
     now,
@@ -52,13 +54,16 @@ def salt_namespace(salt: str | None) -> str:
     return DEFAULT_NAMESPACE if salt is None else f"salt:{salt}"
 
 
-def create_app(backend: Backend, *, default_max_tokens: int = 256) -> FastAPI:
+def create_app(
+    backend: Backend, *, default_max_tokens: int = 256, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+) -> FastAPI:
     """The app over ``backend``; its lifespan starts and stops the backend (uvicorn and Ray Serve run it).
 
-    ``default_max_tokens`` caps a chat completion that names no limit (completions default to 16, as OpenAI).
+    ``default_max_tokens`` caps a chat completion that names no limit (completions default to 16, as OpenAI);
+    ``max_image_bytes``: the largest encoded image a chat message may carry.
     """
     metrics = ServeMetrics(backend.figures)
-    serving = _Serving(backend, metrics, default_max_tokens)
+    serving = _Serving(backend, metrics, default_max_tokens, max_image_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -193,8 +198,9 @@ class _Detokenizer:
 
 # ---- the request path --------------------------------------------------------------------------------------------
 class _Serving:
-    def __init__(self, backend: Backend, metrics: ServeMetrics, default_max_tokens: int) -> None:
+    def __init__(self, backend: Backend, metrics: ServeMetrics, default_max_tokens: int, max_image_bytes: int) -> None:
         self.backend = backend
+        self.max_image_bytes = max_image_bytes
         self.info = backend.info
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
@@ -253,8 +259,9 @@ class _Serving:
             raise APIError(400, f"the {SALT_HEADER} header is empty", param="cache_salt")
         namespace = salt_namespace(salt)
         hints: tuple[int, ...] = ()
+        media = None
         if isinstance(body, ChatRequest):
-            chat = self._chat_tokens(body)
+            chat, media = self._chat_tokens(body)
             prompts, param, limit, default = [chat], "messages", body.token_limit, self.default_max_tokens
             if self.info.hybrid:  # where chats part: a hybrid model keeps its recurrent state there
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -298,6 +305,7 @@ class _Serving:
                     sample_lp if max_tokens else None,
                     stops,
                     hints,
+                    media,
                 )
             )
         return calls
@@ -319,17 +327,50 @@ class _Serving:
             raise APIError(400, f"{param} is empty", param=param)
         return tokens
 
-    def _chat_tokens(self, body: ChatRequest) -> list[int]:
+    def _chat_tokens(self, body: ChatRequest) -> tuple[list[int], dict[str, Any] | None]:
+        """The chat's prompt tokens and, when its messages hold images, the processor's tensors beside them."""
         tok = self.info.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, f"model `{self.info.model_id}` has no chat template; use /v1/completions")
+        if any(m.images() for m in body.messages):
+            return self._image_chat(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template rejects these messages: {exc}", param="messages") from None
         tokens = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return list(tokens)
+        return list(tokens), None
+
+    def _image_chat(self, body: ChatRequest) -> tuple[list[int], dict[str, Any]]:
+        """A chat with image parts: decoded (``engine.serve.images``), rendered by the chat template with an image
+        placeholder per part, and run through the model's processor."""
+        processor = self.info.processor
+        if processor is None:
+            raise APIError(400, f"model `{self.info.model_id}` takes no images", param="messages")
+        images: list[Any] = []
+        messages: list[dict[str, Any]] = []
+        for i, m in enumerate(body.messages):
+            if not isinstance(m.content, list):
+                messages.append({"role": m.role, "content": m.text()})
+                continue
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(m.content):
+                if isinstance(part, ImagePart):
+                    where = f"messages[{i}].content[{j}].image_url"
+                    images.append(decode_image(part.image_url.url, where, self.max_image_bytes))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            messages.append({"role": m.role, "content": parts})
+        try:
+            text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            out = processor(text=[text], images=images, return_tensors="pt")
+        except Exception as exc:  # the template or the processor rejects the conversation
+            raise APIError(400, f"the model's processor rejects these messages: {exc}", param="messages") from None
+        tokens = [int(t) for t in out["input_ids"][0]]
+        media = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        return tokens, media
 
     def _max_tokens(self, n: int, limit: int | None, default: int, param: str) -> int:
         ctx = self.info.context_length

@@ -31,6 +31,7 @@ class ModelInfo:
     vocab_size: int
     default_temperature: float  # 0.0 (greedy) unless the model's generation config samples
     hybrid: bool = False  # recurrent layers: chat calls carry their messages' ends as snapshot hints
+    processor: Any = None  # image-text models: what turns a chat with images into model inputs (None: text only)
 
 
 class Backend(Protocol):
@@ -70,21 +71,24 @@ def model_info(model_id: str, runtime: ModelRuntime) -> ModelInfo:
         model_id,
         runtime.tokenizer,
         context_length(model.config),
-        int(model.config.vocab_size),
+        int(model.config.get_text_config(decoder=True).vocab_size),
         temperature,
         runtime.hybrid is not None,
+        runtime.processor,
     )
 
 
 def describe_model(model: str) -> ModelInfo:
     """``ModelInfo`` of a preset name or a local model directory, without loading weights (a Ray ingress
     tokenizes and checks lengths; the replicas hold the model)."""
+    from engine.media.processor import load_processor
     from engine.models import PRESETS, byte_tokenizer
 
     if model in PRESETS:
         p = PRESETS[model]
         tok = byte_tokenizer(vision=p.vision is not None)
-        return ModelInfo(model, tok, p.max_position_embeddings, p.vocab_size, 0.0, p.family == "qwen3_5")
+        proc = load_processor(model, tok)
+        return ModelInfo(model, tok, p.max_position_embeddings, p.vocab_size, 0.0, p.family == "qwen3_5", proc)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.cache_utils import DynamicCache
 
@@ -98,7 +102,9 @@ def describe_model(model: str) -> ModelInfo:
         gc = GenerationConfig()
     temperature = float(gc.temperature or 1.0) if gc.do_sample else 0.0
     hybrid = bool(recurrent_layers(DynamicCache(config=config.get_text_config(decoder=True))))
-    return ModelInfo(model, tokenizer, context_length(config), int(config.vocab_size), temperature, hybrid)
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
+    proc = load_processor(model, tokenizer)
+    return ModelInfo(model, tokenizer, context_length(config), vocab, temperature, hybrid, proc)
 
 
 class Worker(Protocol):
@@ -168,14 +174,24 @@ class LocalBackend:
         self.worker = make_worker(
             runtime, use_engine=use_engine, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms
         )
+        # calls with images: contiguous generate, one at a time (the engine takes no images)
+        self.media_worker = Batcher(runtime, max_batch_size=1, batch_wait_ms=0) if runtime.processor else None
 
     async def start(self) -> None:
         await self.worker.start()
+        if self.media_worker is not None:
+            await self.media_worker.start()
 
     async def stop(self) -> None:
+        if self.media_worker is not None:
+            await self.media_worker.stop()
         await self.worker.stop()
 
     def stream(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
+        if call.media:
+            if self.media_worker is None:
+                raise ValueError("a call with images on a model without a processor")
+            return self.media_worker.stream(call)
         return self.worker.stream(call)
 
     async def refresh(self) -> None:

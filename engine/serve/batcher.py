@@ -30,6 +30,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from engine import contiguous
 from engine.generate_checks import merged_config
+from engine.media.inputs import ends_in_image, prepare
 from engine.runtime import ModelRuntime, eos_ids
 from engine.serve.protocol import Finished, GenerateCall, StreamItem
 
@@ -254,10 +255,11 @@ class Batcher:
         key = first.call.sampling
         batch: list[_Job] = []
         keep: deque[_Job] = deque()
+        size = 1 if first.call.media else self.max_batch_size  # a call with images runs alone
         for job in self._pending:
             if job.cancelled:
                 continue
-            if len(batch) < self.max_batch_size and job.call.sampling == key:
+            if len(batch) < size and job.call.sampling == key and not (batch and job.call.media):
                 batch.append(job)
             else:
                 keep.append(job)
@@ -292,15 +294,22 @@ class Batcher:
         gc, reason = merged_config(rt.model, kwargs)
         if reason is not None:  # the batcher's own settings: a bug, not the caller's
             raise RuntimeError(f"the batcher's generate settings cannot use the cache: {reason}")
+        media_in = {k: v.to(rt.device) for k, v in (calls[0].media or {}).items()}  # images: a batch of one
         with rt.lock:
             rt.follow()
-            if rt.pool is None:  # caching is off (a check at load failed on this install): the bare model's generate
+            media, rest = None, kwargs
+            if media_in and rt.pool is not None:
+                fam = rt.media_family if rt.hybrid is None else None
+                if fam is not None and set(media_in) <= {*fam.inputs, *fam.optional}:
+                    media, rest = prepare(rt.model, fam, ids, mask, {**kwargs, **media_in}, rt.block_size)
+            if rt.pool is None or (media_in and (media is None or ends_in_image(media, width))):
+                # caching is off (a check at load failed on this install), or images it cannot key: the bare model
                 bare = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)
-                bare(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device), **kwargs)
+                bare(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device), **kwargs, **media_in)
                 cached = [0] * len(calls)
             else:
                 names, hints = [c.namespace for c in calls], [c.hints for c in calls]
-                _, rows = contiguous.generate(rt, ids.to(rt.device), mask.to(rt.device), gc, names, kwargs, hints)
+                _, rows = contiguous.generate(rt, ids.to(rt.device), mask.to(rt.device), gc, names, rest, hints, media)
                 cached = [row.cached_tokens for row in rows]
             self._cache_stats = rt.cache_stats()
         if self.after_batch is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -167,19 +168,39 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    """An image in a chat message: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
 
     def text(self) -> str:
-        """The message's text (text parts joined)."""
+        """The message's text (text parts joined; images left out)."""
         c = self.content
         if c is None:
             return ""
-        return c if isinstance(c, str) else "".join(p.text for p in c)
+        return c if isinstance(c, str) else "".join(p.text for p in c if isinstance(p, TextPart))
+
+    def images(self) -> list[ImagePart]:
+        c = self.content
+        return [p for p in c if isinstance(p, ImagePart)] if isinstance(c, list) else []
 
 
 class ChatRequest(_Request):
@@ -230,6 +251,7 @@ class GenerateCall:
     logprobs: int | None = None  # log-probs of every generated token, with this many alternatives
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first of them (the engine stops there)
     hints: tuple[int, ...] = ()  # hybrid models: prompt positions where chats part (its messages' ends)
+    media: Mapping[str, Any] | None = None  # images: the processor's tensors beside the ids (pixel_values, ...)
 
     @property
     def sampling(self) -> tuple[float, float]:

@@ -201,7 +201,9 @@ class Ingress:
         self.cfg = cfg
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self.backend, default_max_tokens=self.cfg.default_max_tokens)
+        return create_app(
+            self.backend, default_max_tokens=self.cfg.default_max_tokens, max_image_bytes=self.cfg.max_image_bytes
+        )
 
 
 def index_name(app_name: str) -> str:

@@ -56,7 +56,8 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(
             "tiny",
             "--model",
-            help="Built-in preset (tiny, small, tiny-hybrid, small-hybrid) or a local model directory.",
+            help="Built-in preset (tiny, small, tiny-hybrid, small-hybrid, tiny-vlm, small-vlm) or a local model "
+            "directory.",
         ),
         max_cached_tokens: int | None = typer.Option(
             None,
@@ -109,6 +110,12 @@ def register(app: typer.Typer) -> None:
         ),
         max_tokens: int = typer.Option(
             256, "--default-max-tokens", min=1, help="Tokens a chat completion may generate when it names no limit."
+        ),
+        max_image_bytes: int = typer.Option(
+            8 * 2**20,
+            "--max-image-bytes",
+            min=1,
+            help="Image-text models: the largest image (encoded bytes of its data: URL) a chat message may carry.",
         ),
         seed: int = typer.Option(0, "--seed", help="Weight seed of a built-in preset."),
         disk_cache: str | None = typer.Option(
@@ -177,6 +184,7 @@ def register(app: typer.Typer) -> None:
             max_batch_size=max_batch_size,
             batch_wait_ms=batch_wait_ms,
             default_max_tokens=max_tokens,
+            max_image_bytes=max_image_bytes,
             seed=seed,
             use_engine=engine,
             max_step_tokens=max_step_tokens,

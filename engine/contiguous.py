@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -136,6 +137,11 @@ def generate(
                 if got:
                     n = m.cached_blocks + len(got)
                     m = MatchResult(m.handle, n * rt.block_size, n, (*m._runs, np.asarray(got, dtype=np.int64)))
+            if media is not None:  # a bidirectional family's match never ends inside an image
+                safe = media.safe_blocks(r, m.cached_blocks, rt.block_size)
+                if safe < m.cached_blocks:  # the tier's blocks are the match's tail: they go first
+                    got = got[: max(0, len(got) - (m.cached_blocks - safe))]
+                    m = MatchResult(m.handle, safe * rt.block_size, safe, (np.asarray(m.block_ids[:safe], np.int64),))
             matches.append(m)
             tiered.append(len(got))
             live.append(rt.causes.request(ids, ns, m.cached_tokens, kv_cached=kv_cached))
@@ -276,15 +282,17 @@ def _prepare_row(
             hy.pool.restore_cache(row_cache, plan.slot, cached)
         if todo > 0:
             kwarg, logits = hf_cache.cache_kwarg(rt.model), hf_cache.last_logits_only(rt.model)
-            prefill(rt.model, hy, row_cache, tokens, cached, cached + todo, plan, kwarg, logits)
+            keyed, more = None, None
+            if media is not None:
+                keyed = keyed_tokens(
+                    as_token_array(tokens.cpu()), media.material[row], rt.block_size, rt.cache.config.hash_seed
+                )
+                more = partial(_media_inputs, rt, media, row, pad)
+            prefill(rt.model, hy, row_cache, tokens, cached, cached + todo, plan, kwarg, logits, keyed, more)
             hf_cache.settle(row_cache, row_bufs, cached + todo)
         return row_cache
     ids = tokens[cached : cached + todo].unsqueeze(0)
-    extra: dict[str, Any] = {}
-    if media is not None:
-        enc = media.encoder_outputs(rt.model, rt.encoder_cache, row, cached, cached + todo)
-        pos = media.position_ids(row, pad + cached, pad + cached + todo)
-        extra = {k: v for k, v in (("mm_encoder_outputs", enc), ("position_ids", pos)) if v is not None}
+    extra = {} if media is None else _media_inputs(rt, media, row, pad, cached, cached + todo)
     with torch.no_grad():
         rt.model(
             input_ids=ids,
@@ -296,6 +304,16 @@ def _prepare_row(
         )
     hf_cache.settle(row_cache, row_bufs, cached + todo)
     return row_cache
+
+
+def _media_inputs(rt: ModelRuntime, media: MediaCall, row: int, pad: int, start: int, stop: int) -> dict[str, Any]:
+    """The model inputs besides the ids of positions ``[start, stop)`` of input row ``row`` (after its ``pad``):
+    its placeholders' encoder outputs, M-RoPE positions, a bidirectional family's image marks."""
+    enc = media.encoder_outputs(rt.model, rt.encoder_cache, row, start, stop)
+    pos = media.position_ids(row, pad + start, pad + stop)
+    extra = {k: v for k, v in (("mm_encoder_outputs", enc), ("position_ids", pos)) if v is not None}
+    extra.update(media.type_ids(row, pad + stop))
+    return extra
 
 
 def _commit_outputs(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list[int]:

@@ -43,7 +43,7 @@ def uncached_reason(
     if bool((input_ids < 0).any()):
         return "input_ids holds negative ids"
     for key in _BATCH_SHAPED_KWARGS:
-        if kwargs.get(key) is not None:
+        if key not in media and kwargs.get(key) is not None:
             return f"{key} given"
     for key, value in kwargs.items():
         if key in media:

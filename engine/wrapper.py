@@ -321,9 +321,9 @@ class PrefixCachedModel:
             reason = "nested call (from inside another generate of this wrapper)" if self._active else None
             if reason is None and rt.unsupported_reason is not None:
                 reason = f"model not cacheable: {rt.unsupported_reason}"
-            fam = rt.media_family if rt.hybrid is None else None
+            fam = rt.media_family
             keyed = (*fam.inputs, *fam.optional) if fam is not None else ()
-            why = rt.media_reason or ("" if fam is not None else "images on a hybrid model are not cached yet")
+            why = rt.media_reason or ""
             reason = reason or uncached_reason(input_ids, attention_mask, kwargs, keyed, why)
             if reason is None:
                 gc, reason = merged_config(self.model, kwargs)
@@ -339,7 +339,7 @@ class PrefixCachedModel:
                 return self._run_uncached(
                     f"model not cacheable: {rt.unsupported_reason}", input_ids, attention_mask, kwargs
                 )
-            media, rest = prepare(self.model, fam, input_ids, attention_mask, kwargs, rt.block_size)
+            media, rest = prepare(self.model, fam, input_ids, attention_mask, kwargs, rt.block_size, rt.encoder_cache)
             if media is not None and ends_in_image(media, input_ids.shape[1]):
                 return self._run_uncached("a prompt ends with an image placeholder", input_ids, attention_mask, kwargs)
             self._active += 1

@@ -11,6 +11,7 @@ snapshot once the row's blocks are committed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +46,14 @@ def prefill(
     row: HybridRow,
     cache_kwarg: str,
     logits_kwargs: dict[str, Any],
+    key_tokens: Any = None,
+    extra: Callable[[int, int], dict[str, Any]] | None = None,
 ) -> None:
     """Run positions ``start..stop-1`` of ``tokens`` (one row, unpadded) through the model into ``cache`` (which
     holds the first ``start`` positions), in pieces ending at the row's snapshot points, publishing a snapshot at
-    each. Changes ``cache``, the snapshot index and pool."""
+    each. ``key_tokens``: the row's key stream (images' content folded in; default ``tokens``), which snapshots
+    are keyed by; ``extra(a, b)``: more model inputs for positions ``[a, b)`` (an image's encoder outputs, M-RoPE
+    positions, which then replace the 1-D ones). Changes ``cache``, the snapshot index and pool."""
     bs = hy.block_size
     cuts = [p * bs for p in row.points if start < p * bs < stop] + [stop]
     at = start
@@ -58,6 +63,10 @@ def prefill(
         ids = tokens[at:cut].unsqueeze(0)
         pos = torch.arange(at, cut, device=ids.device)[None]
         kwargs = {cache_kwarg: cache, **logits_kwargs}
+        if extra is not None:
+            more = extra(at, cut)
+            pos = more.pop("position_ids", pos)
+            kwargs.update(more)
         with torch.no_grad():
             if hy.tokenwise:
                 with recurrent.stepwise():
@@ -67,7 +76,7 @@ def prefill(
         at = cut
         if cut % bs == 0 and cut // bs in row.points:
             b = cut // bs
-            token_list = tokens.tolist()
+            token_list = (tokens if key_tokens is None else key_tokens).tolist()
             hy.keys(row.keys, token_list, row.namespace, b)
             hy.publish_cache(row.keys, b, token_list, cache, 0)
             row.published.append(b)

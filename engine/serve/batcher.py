@@ -299,9 +299,11 @@ class Batcher:
             rt.follow()
             media, rest = None, kwargs
             if media_in and rt.pool is not None:
-                fam = rt.media_family if rt.hybrid is None else None
+                fam = rt.media_family
                 if fam is not None and set(media_in) <= {*fam.inputs, *fam.optional}:
-                    media, rest = prepare(rt.model, fam, ids, mask, {**kwargs, **media_in}, rt.block_size)
+                    media, rest = prepare(
+                        rt.model, fam, ids, mask, {**kwargs, **media_in}, rt.block_size, rt.encoder_cache
+                    )
             if rt.pool is None or (media_in and (media is None or ends_in_image(media, width))):
                 # caching is off (a check at load failed on this install), or images it cannot key: the bare model
                 bare = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)

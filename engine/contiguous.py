@@ -364,3 +364,56 @@ def _new_tokens_bound(rt: ModelRuntime, gc: Any, kwargs: dict[str, Any], prompt_
         new = (kwargs.get("max_length") or gc.max_length or 0) - prompt_len
     limit = getattr(rt.model.config, "max_position_embeddings", None) or 8192
     return max(0, min(int(new), int(limit)))
+
+
+def score(
+    rt: ModelRuntime, tokens: torch.Tensor, name: str, media: MediaCall, score_from: int, commit: int
+) -> tuple[torch.Tensor, int]:
+    """Log-probabilities of ``tokens[score_from:]`` (one unpadded row whose images ``media`` describes) given the
+    tokens before them, its longest cached prefix in namespace ``name`` served from the pool (at most
+    ``score_from - 1`` tokens: the first scored token needs the logits before it); returns them (one per scored
+    token) and the tokens served from cache. The caller holds ``rt.lock`` and has called ``rt.follow()``. Changes
+    the cache: the matched blocks are refreshed and the first ``commit`` tokens' full blocks inserted."""
+    ns, bs = rt.namespace(name), rt.block_size
+    keyed = keyed_tokens(as_token_array(tokens.detach().cpu()), media.material[0], bs, rt.cache.config.hash_seed)
+    epoch = rt.epoch
+    m = rt.cache.match(keyed, ns, max_blocks=(score_from - 1) // bs)
+    try:
+        safe = media.safe_blocks(0, m.cached_blocks, bs)
+        if safe < m.cached_blocks:
+            m = MatchResult(m.handle, safe * bs, safe, (np.asarray(m.block_ids[:safe], np.int64),))
+        cached, width = m.cached_tokens, len(tokens)
+        bufs = rt.kv_pool.buffers(1, width)
+        _prepare_row(rt, bufs, 0, 0, tokens, m, cached, None)
+        row_cache = hf_cache.buffer_cache(rt.model, bufs, cached)
+        ids = tokens[cached:].unsqueeze(0)
+        with torch.no_grad():
+            logits = rt.model(
+                input_ids=ids,
+                attention_mask=torch.ones((1, width), dtype=torch.long, device=ids.device),
+                use_cache=True,
+                **{hf_cache.cache_kwarg(rt.model): row_cache},
+                **_media_inputs(rt, media, 0, 0, cached, width),
+            ).logits[0, score_from - 1 - cached : width - 1 - cached]
+        hf_cache.settle(row_cache, bufs, width)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if rt.epoch == epoch:
+            stats = rt.cache.stats
+            counted = stats.blocks_inserted, stats.blocks_not_cached
+            try:
+                res = rt.cache.commit(m.handle, keyed[:commit])
+                if res.block_ids:
+                    start, stop = res.first_block * bs, (res.first_block + len(res.block_ids)) * bs
+                    rt.kv_pool.scatter(res.block_ids, hf_cache.read_kv(row_cache, start, stop))
+                if rt.tier is not None:
+                    rt.tier.save_path(
+                        rt.kv_pool, keyed[:commit], m.handle.namespace, [], res.first_block, res.block_ids
+                    )
+            except BaseException:
+                rt.drop()
+                stats.blocks_inserted, stats.blocks_not_cached = counted
+                raise
+        return logp, cached
+    finally:
+        if rt.epoch == epoch:
+            _release_all(rt, [m.handle])

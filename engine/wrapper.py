@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +34,7 @@ from engine.generate_checks import merged_config, row_hints, row_names, uncached
 from engine.kv_pool import KVPool
 from engine.media.encoder_cache import DEFAULT_MAX_ENCODER_CACHE_BYTES
 from engine.media.inputs import ends_in_image, prepare
+from engine.media.requests import media_prompt
 from engine.models import context_length
 from engine.runtime import DEFAULT_MAX_CACHED_TOKENS, HISTORY_FACTOR, ModelRuntime, RuntimeConfig, eos_ids
 from engine.tier import KVTier
@@ -384,7 +385,13 @@ class PrefixCachedModel:
         """
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-        prompts = [offline.token_list(p, f"inputs[{i}]") for i, p in enumerate(inputs)]
+        prompts, media = [], {}
+        for i, p in enumerate(inputs):
+            if isinstance(p, Mapping):  # a prompt with images: a processor's output for one prompt
+                ids, media[i] = media_prompt(p, f"inputs[{i}]")
+                prompts.append(ids)
+            else:
+                prompts.append(offline.token_list(p, f"inputs[{i}]"))
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"inputs[{i}] is empty: a prompt needs at least one token")
@@ -396,11 +403,22 @@ class PrefixCachedModel:
         with self.lock:
             engine = self.runtime.engine()
             if engine is None:
-                return self._generate_batch_fallback(prompts, base, kwargs, namespace, copies)
+                return self._generate_batch_fallback(prompts, base, kwargs, namespace, copies, media)
             self.last_request_stats = ()
-            return offline.generate_batch(
-                engine, prompts, params, self.runtime.namespace(namespace), copies, seed=seed, progress_bar=progress_bar
+            text = [i for i in range(len(prompts)) if i not in media]
+            got = offline.generate_batch(
+                engine,
+                [prompts[i] for i in text],
+                [params[i] for i in text],
+                self.runtime.namespace(namespace),
+                copies,
+                seed=seed,
+                progress_bar=progress_bar,
             )
+            out = offline.renumbered(got, text, copies)
+            if media:  # the engine takes no images: those prompts go through generate, one at a time
+                out.update(self._generate_batch_fallback(prompts, base, kwargs, namespace, copies, media, only=media))
+            return {rid: out[rid] for rid in offline.request_ids(len(prompts), copies)}
 
     def score(
         self,
@@ -428,9 +446,19 @@ class PrefixCachedModel:
         )
         if limit is not None:
             limit = check_int(limit, "PrefixCachedModel: max_length", minimum=1)
+        pairs = list(requests)
+        media = {
+            i: p
+            for i, p in enumerate(pairs)
+            if isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], Mapping)
+        }
+        if media:  # contexts with images: scored one by one on the contiguous path, beside the others
+            return self._score_with_images(
+                pairs, media, namespace, token_logprobs, limit, commit_continuations, reorder
+            )
         with self.lock:
             reqs, cut = offline.score_requests(
-                list(requests), self.runtime.namespace(namespace), max_length=limit, commit=commit_continuations, top=0
+                pairs, self.runtime.namespace(namespace), max_length=limit, commit=commit_continuations, top=0
             )
             engine = self.runtime.engine()
             if engine is None:
@@ -439,18 +467,98 @@ class PrefixCachedModel:
             self.last_request_stats = ()
             return offline.score(engine, reqs, cut, token_logprobs, reorder=reorder, progress_bar=progress_bar)
 
+    def _score_with_images(
+        self,
+        pairs: list[Any],
+        media: dict[int, Any],
+        namespace: str,
+        token_logprobs: bool,
+        limit: int | None,
+        commit_continuations: bool,
+        reorder: bool,
+    ) -> list[offline.ScoreResult]:
+        """``score`` of ``pairs`` whose contexts ``media`` (by index) hold images: those run one at a time on the
+        contiguous path (exact; the model's uncached forward where its images cannot be keyed), the rest as
+        ``score`` runs them."""
+        text = [i for i in range(len(pairs)) if i not in media]
+        out: dict[int, offline.ScoreResult] = {}
+        if text:
+            got = self.score(
+                [pairs[i] for i in text],
+                namespace=namespace,
+                token_logprobs=token_logprobs,
+                max_length=limit,
+                commit_continuations=commit_continuations,
+                reorder=reorder,
+            )
+            out.update(zip(text, got))
+        rt = self.runtime
+        for i, (ctx, cont) in media.items():
+            ctx_ids, images = media_prompt(ctx, f"requests[{i}] context")
+            cont_ids = offline.token_list(cont, f"requests[{i}] continuation")
+            if not cont_ids:
+                raise ValueError(f"requests[{i}] has an empty continuation: nothing to score")
+            full = ctx_ids + cont_ids
+            if limit is not None and len(full) > limit + 1:
+                raise ValueError(
+                    f"requests[{i}]: {len(full)} tokens with images, longer than max_length={limit} + 1 (a prompt "
+                    "with images is not cut from the left)"
+                )
+            ids = torch.tensor([full], dtype=torch.long, device=self.model.device)
+            images = {k: v.to(self.model.device) for k, v in images.items()}
+            if "mm_token_type_ids" in images or "token_type_ids" in images:  # per token: the continuation's are 0
+                for key in ("mm_token_type_ids", "token_type_ids"):
+                    if key in images:
+                        pad = torch.zeros((1, len(cont_ids)), dtype=images[key].dtype, device=ids.device)
+                        images[key] = torch.cat([images[key].reshape(1, -1), pad], dim=1)
+            with self.lock:
+                rt.follow()
+                fam = rt.media_family
+                call = None
+                if rt.pool is not None and fam is not None and set(images) <= {*fam.inputs, *fam.optional}:
+                    call, _ = prepare(self.model, fam, ids, None, images, rt.block_size, rt.encoder_cache)
+                if call is None or rt.hybrid is not None:
+                    why = rt.unsupported_reason or rt.media_reason or "images on a hybrid model are scored uncached"
+                    rt.warn_once(f"PrefixCachedModel: scoring images without the cache: {why}", UncachedCallWarning, 5)
+                    with torch.inference_mode():
+                        logits = self.model(input_ids=ids, **images).logits[0, len(ctx_ids) - 1 : -1]
+                    logp, cached = torch.log_softmax(logits.float(), dim=-1), 0
+                else:
+                    commit = len(full) if commit_continuations else len(ctx_ids)
+                    logp, cached = contiguous.score(rt, ids[0], namespace, call, len(ctx_ids), commit)
+            target = torch.tensor(cont_ids, device=logp.device)
+            lp = logp.gather(1, target[:, None])[:, 0]
+            greedy = bool((logp.argmax(dim=-1) == target).all())
+            out[i] = offline.ScoreResult(
+                float(lp.sum()), greedy, tuple(lp.tolist()) if token_logprobs else None, cached, 0
+            )
+        return [out[i] for i in range(len(pairs))]
+
     def _generate_batch_fallback(
-        self, prompts: list[list[int]], base: Any, kwargs: dict[str, Any], namespace: str, copies: int
+        self,
+        prompts: list[list[int]],
+        base: Any,
+        kwargs: dict[str, Any],
+        namespace: str,
+        copies: int,
+        media: Mapping[int, dict[str, Any]],
+        only: Collection[int] | None = None,
     ) -> dict[str, offline.BatchOutput]:
-        """``generate_batch`` through ``generate`` (prompt by prompt) for a model the engine cannot run."""
-        self._warn_fallback(f"generate_batch: {self.engine_unsupported_reason}; running each prompt through generate()")
+        """``generate_batch`` through ``generate`` (prompt by prompt; ``media[i]``: prompt i's images) for a model
+        the engine cannot run, or for the prompts ``only`` (those with images)."""
+        if only is None:
+            why = f"generate_batch: {self.engine_unsupported_reason}; running each prompt through generate()"
+            self._warn_fallback(why)
         out = {}
         eos = eos_ids(base)
         for i, p in enumerate(prompts):
+            if only is not None and i not in only:
+                continue
             ids = torch.tensor([p], dtype=torch.long, device=self.model.device)
+            images = {k: v.to(self.model.device) for k, v in media.get(i, {}).items()}
             for j in range(copies):
                 rid = f"req_{i}" if copies == 1 else f"req_{i}_{j}"
-                seq = self.generate(ids, generation_config=base, namespace=namespace, **kwargs)
+                seq = self.generate(ids, generation_config=base, namespace=namespace, **images, **kwargs)
                 seq = seq if isinstance(seq, torch.Tensor) else seq.sequences
                 cached = self.last_request_stats[0].cached_tokens if self.last_request_stats else 0
                 gen = seq[0, len(p) :].tolist()

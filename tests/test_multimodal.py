@@ -241,3 +241,60 @@ def test_paligemma_runs_uncached_because_its_prompt_attends_both_ways():
         got = pcm.generate(ids, attention_mask=mask, **media, **KW)
     assert torch.equal(got.sequences, fam.model.generate(ids, attention_mask=mask, **media, **KW).sequences)
     assert pcm.cache_stats()["blocks_used"] == 0
+
+
+def _one(fam: Zoo, row: Sequence[int | Image]) -> dict:
+    """One prompt as a processor gives it (a mapping with input_ids and the media tensors)."""
+    ids, mask, media = fam.inputs([row])
+    return {"input_ids": ids, "attention_mask": mask, **media}
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "gemma3", "idefics3"])
+def test_generate_batch_takes_prompts_with_images_beside_token_lists(name):
+    fam = build(name)
+    pcm = wrap(fam)
+    rows = [[*SYS, Image(1), *Q1], [*SYS, *Q2], [*SYS, Image(1), *Q2]]
+    inputs = [_one(fam, rows[0]), ids_of(fam, rows[1]), _one(fam, rows[2])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncachedCallWarning)
+        out = pcm.generate_batch(inputs, max_new_tokens=4, do_sample=False)
+    assert list(out) == ["req_0", "req_1", "req_2"]
+    for rid, row in zip(out, rows):
+        ids, mask, media = fam.inputs([row])
+        ref = fam.model.generate(ids, attention_mask=mask, **media, max_new_tokens=4, do_sample=False)
+        assert out[rid].prompt_ids == ids[0].tolist()
+        assert out[rid].generated_tokens == ref[0, ids.shape[1] :].tolist()
+    assert out["req_2"].cached_tokens == shared(fam, rows[0], rows[2])
+    pcm.runtime.cache.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "gemma3", "qwen3_5"])
+def test_score_takes_contexts_with_images(name):
+    """Log-likelihoods of continuations after an image context equal the bare model's forward; the second
+    continuation of the same context is served from cache (not on a hybrid model: scored uncached there)."""
+    fam = build(name)
+    pcm = wrap(fam)
+    ctx = [*SYS, Image(2), *Q1]
+    conts = [[60, 61, 62], [63, 64]]
+    reqs = [(_one(fam, ctx), c) for c in conts] + [(ids_of(fam, [*SYS, *Q2]), [65])]
+    hybrid = pcm.runtime.hybrid is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if hybrid else "error", UncachedCallWarning)
+        got = pcm.score(reqs, token_logprobs=True)
+    for r, (context, cont) in zip(got, reqs):
+        if isinstance(context, dict):
+            ids = torch.cat([context["input_ids"], torch.tensor([cont])], dim=1)
+            media = {k: v for k, v in context.items() if k not in ("input_ids", "attention_mask")}
+            for key in ("token_type_ids", "mm_token_type_ids"):
+                if key in media:
+                    media[key] = torch.cat([media[key], torch.zeros((1, len(cont)), dtype=media[key].dtype)], 1)
+        else:
+            ids, media = torch.tensor([context + cont]), {}
+        with torch.no_grad():
+            logits = fam.model(input_ids=ids, **media).logits[0, -len(cont) - 1 : -1]
+        ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(r.token_logprobs), ref, atol=1e-4), (r.token_logprobs, ref)
+    n_ctx = len(ids_of(fam, ctx))
+    assert got[1].cached_tokens == (0 if hybrid else (n_ctx - 1) // BS * BS)
+    pcm.runtime.cache.check_integrity()
+    assert pcm.runtime.cache.num_active_requests == 0

@@ -215,6 +215,19 @@ def progress_bar_of(total: int, what: str, enabled: bool) -> Iterator[Callable[[
         yield lambda done: bar.update(task, completed=done)
 
 
+def request_ids(n: int, copies: int) -> list[str]:
+    """The ids of ``n`` prompts' requests, ``copies`` each, in order (``req_i`` or ``req_i_j``)."""
+    return [f"req_{i}" if copies == 1 else f"req_{i}_{j}" for i in range(n) for j in range(copies)]
+
+
+def renumbered(out: dict[str, BatchOutput], positions: Sequence[int], copies: int) -> dict[str, BatchOutput]:
+    """``out`` (the results of a batch of some prompts) with prompt k's requests renamed as prompt
+    ``positions[k]``'s."""
+    old = request_ids(len(positions), copies)
+    new = [rid for i in positions for rid in request_ids(i + 1, copies)[i * copies :]]
+    return {n: dataclasses.replace(out[o], request_id=n) for o, n in zip(old, new)}
+
+
 def generate_requests(
     prompts: list[list[int]], params: list[SamplingParams], namespace: str, copies: int
 ) -> list[tuple[str, Request]]:

@@ -7,7 +7,7 @@ The prose lives in ``docs/templates/``; every figure in it names the JSON value 
 or a JSON rerun without re-rendering fails ``--check`` (CI runs it, and so does tests/test_docs.py). Outputs:
 ``docs/benchmarks.md`` (whole), and the regions between ``<!-- begin NAME ... -->`` and ``<!-- end NAME -->`` in
 README.md (the headline results), docs/tiers-simulation.md (the shared-tier cluster table) and docs/tiers.md (its
-measured figures): ``TARGETS``.
+measured figures), docs/hybrid.md, docs/compatibility.md and docs/multimodal.md: ``TARGETS``.
 
 Template syntax:
 
@@ -61,6 +61,7 @@ TARGETS = (
     Target("tiers_measured.md", "docs/tiers.md", "tier-measured"),
     Target("hybrid_measured.md", "docs/hybrid.md", "hybrid-measured"),
     Target("compat_measured.md", "docs/compatibility.md", "compat-measured"),
+    Target("multimodal_measured.md", "docs/multimodal.md", "multimodal-measured"),
 )
 
 # Where a JSON keeps the 1-minute load average before and after its run: _meta.py's record first, then the

@@ -149,6 +149,13 @@ def replay(
     """
     if scenario.trace is not None:
         raise ReplayError(NO_TOKENS)
+    with_images = next((r for r in scenario.requests if r.messages and any(m.images for m in r.messages)), None)
+    if with_images is not None:
+        where = f" (line {with_images.line})" if with_images.line else ""
+        raise ReplayError(
+            f"a request{where} carries images: a scenario's images are ids and token counts, not pictures, so it "
+            "is simulated (simulate, plan, explain), not replayed through a model"
+        )
     if loaded is None:
         try:
             loaded = load_model(model, dtype=dtype, device=device, seed=seed)

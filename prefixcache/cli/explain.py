@@ -1,6 +1,7 @@
 """``prefixcache explain``: why prefill was not saved — uncached tokens by cause, the top divergence points and
 the fix each cause suggests, for a scenario or trace (simulated with the usual options) or a saved run."""
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +18,7 @@ from prefixcache.reports.output import write_output
 from prefixcache.reports.record import RunRecord, load_record
 from prefixcache.reports.run_report import title
 from prefixcache.sim.causes import workload_causes
-from prefixcache.sim.diagnosis import DivergenceSite, decoder_for, sides
+from prefixcache.sim.diagnosis import DivergenceSite, decoder_for, image_swaps, sides
 from prefixcache.sim.requests import CacheRequests
 
 
@@ -158,6 +159,16 @@ def explain(
         shown += _request(record, request, fork)
     else:
         shown += _run(record, top)
+        swaps = image_swaps(reqs) if reqs is not None else []
+        if swaps:
+            out["image_swaps"] = [dataclasses.asdict(x) for x in swaps]
+            first = swaps[0]
+            shown.append(
+                f"Another image behind the same placeholder ids: {len(swaps):,} request(s) carry an image where an "
+                f"earlier one, with the same tokens before it, had another (e.g. request {first.request}'s "
+                f"{first.image} at token {first.position:,}, where request {first.partner} had {first.partner_image}). "
+                "Blocks are keyed by the image's content, so none of it was served: it counts as new content (cold)."
+            )
     for part in shown:
         console.show(part, to_stderr=opt.stdout_taken(json_out))  # stdout carries the JSON alone
     if json_out is not None:

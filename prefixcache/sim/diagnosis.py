@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefixcache.sim.causes import CAUSES, CONTEXT, Fork, servable, workload_causes
 from prefixcache.sim.requests import CacheRequests
@@ -36,6 +36,19 @@ class DivergenceSite:
     before: str
     this: str
     other: str
+
+
+@dataclass(frozen=True)
+class ImageSwap:
+    """A request whose image sits where an earlier request, with the same tokens before it, had another image
+    behind the same placeholder ids: the cache keys blocks by the image's content, so none of it was served (an
+    id-keyed cache would have served the other picture's KV). ``image``/``partner_image``: their scenario ids."""
+
+    request: int
+    position: int
+    image: str
+    partner: int
+    partner_image: str
 
 
 @dataclass(frozen=True)
@@ -94,8 +107,54 @@ def divergence_sites(
 
 
 def workload_sites(reqs: CacheRequests, rows: Iterable[Row], top: int | None = None) -> list[DivergenceSite]:
-    """``divergence_sites`` of a simulated workload, shown as text when it has text."""
-    return divergence_sites(rows, workload_causes(reqs).forks, decoder_for(reqs), top)
+    """``divergence_sites`` of a simulated workload, shown as text when it has text; a side that starts in an
+    image's blocks is shown as the image (its ids are its key stream, not text)."""
+    sites = divergence_sites(rows, workload_causes(reqs).forks, decoder_for(reqs), top)
+    if reqs.media is None:
+        return sites
+    out = []
+    for site in sites:
+        this, other = _image_at(reqs, site.example, site.position), _image_at(reqs, site.partner, site.position)
+        if this is not None or other is not None:
+            site = replace(site, this=this or site.this, other=other or site.other)
+        out.append(site)
+    return out
+
+
+def _image_at(reqs: CacheRequests, i: int, position: int) -> str | None:
+    """ "[image NAME]" when ``position`` of request ``i`` falls in the blocks of one of its images, else None."""
+    bs = reqs.block_size
+    for a, b, name in (reqs.media or [])[i] if reqs.media and i < len(reqs.media) else ():
+        if a // bs * bs <= position < b:
+            return f"[image {name}]"
+    return None
+
+
+def image_swaps(reqs: CacheRequests) -> list[ImageSwap]:
+    """The requests of a workload whose image another image displaced (``ImageSwap``), in order. Changes
+    nothing."""
+    if reqs.media is None or reqs.prompts is None:
+        return []
+    bs = reqs.block_size
+    seen: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    out = []
+    for i, spans in enumerate(reqs.media):
+        prompt = reqs.prompts[i]
+        found = False
+        for a, b, name in spans:
+            start = a // bs * bs
+            same_prefix = [
+                (j, other)
+                for j, other in seen.get((a, b), [])
+                if reqs.namespace[j] == reqs.namespace[i] and bytes(reqs.prompts[j][:start]) == bytes(prompt[:start])
+            ]
+            if not found and same_prefix and all(other != name for _, other in same_prefix):
+                j, other = same_prefix[0]
+                out.append(ImageSwap(i, a, name, j, other))
+                found = True
+        for a, b, name in spans:
+            seen.setdefault((a, b), []).append((i, name))
+    return out
 
 
 def _clip(text: str, n: int) -> str:

@@ -5,7 +5,9 @@ Two modes:
 * ``keys`` — a hash-id trace: request i looks up ``keys[offsets[i]:offsets[i+1]]`` (every hash id may hit,
   the partial last block included: its id names that partial block) and commits all of them.
 * ``tokens`` — a text/chat/token scenario: request i looks up its prompt ids and commits the prompt plus
-  the reply a model would generate, less the reply's last token (which has no KV yet in a real model).
+  the reply a model would generate, less the reply's last token (which has no KV yet in a real model). A prompt
+  with images is its key stream (``prefixcache.core.key_material``): the blocks its images' placeholders touch
+  carry their content ids, so the same ids behind another image miss as they do on a model.
   Replies are synthesised (seeded ASCII, ``max_new_tokens`` byte tokens) and join the history of later
   turns of a conversation, so every capacity and policy replays the very same requests.
 
@@ -19,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 from prefixcache.core.errors import InputError
 from prefixcache.core.hashing import as_token_array
-from prefixcache.workload.render import ByteRenderer, Conversations, Renderer, synthetic_reply
+from prefixcache.core.key_material import block_material, keyed_tokens
+from prefixcache.workload.render import ByteRenderer, Conversations, Renderer, Span, synthetic_reply
 from prefixcache.workload.scenario import Scenario
 from prefixcache.workload.trace import Trace
 
@@ -47,6 +51,7 @@ class CacheRequests:
     commits: list[np.ndarray] | None = field(default=None, repr=False)  # tokens mode: int32 ids to commit
     trace: Trace | None = field(default=None, repr=False)  # keys mode: the trace itself
     text: bool = False  # tokens mode: every prompt is text or chat rendered by the byte renderer (decodable)
+    media: list[tuple[Span, ...]] | None = field(default=None, repr=False)  # tokens mode: each prompt's images
     memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # derived data, made once
 
     def __len__(self) -> int:
@@ -82,6 +87,11 @@ class CacheRequests:
         return nt
 
 
+def image_content_id(name: str) -> bytes:
+    """The content id a scenario's image id stands for (equal ids: the same picture)."""
+    return xxhash.xxh3_128_digest(b"prefixcache-scenario-image\x00" + name.encode("utf-8"))
+
+
 def from_trace(trace: Trace) -> CacheRequests:
     """A hash-id trace as cache requests (its own order and block size). Changes nothing."""
     offsets = trace.offsets.tolist()
@@ -109,18 +119,24 @@ def from_scenario(scenario: Scenario, block_size: int, renderer: Renderer | None
     prompts: list[np.ndarray] = []
     commits: list[np.ndarray] = []
     outputs: list[int | None] = []
+    media: list[tuple[Span, ...]] = []
     for i, req in enumerate(scenario.requests):
-        prompt = conv.prompt(req, renderer)
         k = req.max_new_tokens or scenario.max_new_tokens
         reply = synthetic_reply(scenario.seed, i, k)
         try:
+            prompt, spans = conv.prompt_spans(req, renderer)
             arr = as_token_array(prompt, f"request {i + 1} tokens")
+            commit = np.concatenate([arr, np.frombuffer(reply.encode("ascii"), np.uint8)[:-1].astype(np.int32)])
+            if spans:  # each image's content in the key stream of the blocks it touches (as the model side keys it)
+                material = block_material([(a, b, image_content_id(name)) for a, b, name in spans], block_size)
+                arr, commit = keyed_tokens(arr, material, block_size), keyed_tokens(commit, material, block_size)
         except (TypeError, ValueError) as exc:
-            raise InputError(str(exc), scenario.path, req.line) from None
+            raise InputError(f"request {i + 1}: {exc}", scenario.path, req.line) from None
         if len(arr) == 0:
             raise InputError(f"request {i + 1} renders to an empty prompt", scenario.path, req.line)
         prompts.append(arr)
-        commits.append(np.concatenate([arr, np.frombuffer(reply.encode("ascii"), np.uint8)[:-1].astype(np.int32)]))
+        commits.append(commit)
+        media.append(tuple(spans))
         outputs.append(k)
         conv.add_reply(req, reply)
     return CacheRequests(
@@ -134,4 +150,5 @@ def from_scenario(scenario: Scenario, block_size: int, renderer: Renderer | None
         prompts=prompts,
         commits=commits,
         text=all(r.tokens is None for r in scenario.requests) and isinstance(renderer, ByteRenderer),
+        media=media if any(media) else None,
     )

@@ -26,6 +26,10 @@ from prefixcache.workload.requests import Message, ScenarioRequest
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SPECIAL_IDS = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
 BOS_ID = SPECIAL_IDS["<|bos|>"]
+# The image-text presets' tokens after them (engine/models.py VISION_TOKENS): an image is written as
+# <|vision_start|>, one <|image_pad|> per placeholder token, <|vision_end|> (Qwen2-VL's layout)
+VISION_START, VISION_END, IMAGE_PAD = 256 + len(SPECIAL_TOKENS), 257 + len(SPECIAL_TOKENS), 258 + len(SPECIAL_TOKENS)
+Span = tuple[int, int, str]  # an image's placeholder tokens [start, stop) in a prompt, and its content id
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
 REPLY_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz      .,", dtype=np.uint8)
 
@@ -47,8 +51,24 @@ class ByteRenderer:
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         """The chat template, rendered to one string and encoded: ``<|bos|>`` ``<|role|>content<|end|>``...
         ``<|assistant|>``."""
-        body = "".join(f"<|{m.role}|>{m.content}<|end|>" for m in messages)
-        return _encode(f"<|bos|>{body}<|assistant|>")
+        return self.encode_chat_spans(messages)[0]
+
+    def encode_chat_spans(self, messages: Sequence[Message]) -> tuple[list[int], list[Span]]:
+        """``encode_chat`` with images: a message's images come before its text, each as the image-text presets'
+        tokenizer writes it; returns the ids and each image's placeholder span and id."""
+        if not any(m.images for m in messages):
+            body = "".join(f"<|{m.role}|>{m.content}<|end|>" for m in messages)
+            return _encode(f"<|bos|>{body}<|assistant|>"), []
+        ids, spans = [BOS_ID], []
+        for m in messages:
+            ids += _encode(f"<|{m.role}|>")
+            for img in m.images:
+                ids.append(VISION_START)
+                spans.append((len(ids), len(ids) + img.tokens, img.id))
+                ids += [IMAGE_PAD] * img.tokens
+                ids.append(VISION_END)
+            ids += _encode(f"{m.content}<|end|>")
+        return ids + [SPECIAL_IDS["<|assistant|>"]], spans
 
     def decode(self, ids: Sequence[int], *, specials: bool = False) -> str:
         """Bytes back to text; special tokens are dropped, or written by name with ``specials``."""
@@ -98,11 +118,23 @@ class Conversations:
 
     def prompt(self, req: ScenarioRequest, renderer: Renderer) -> list[int]:
         """Prompt token ids of ``req`` (text, chat with history, or raw tokens). Changes nothing."""
+        return self.prompt_spans(req, renderer)[0]
+
+    def prompt_spans(self, req: ScenarioRequest, renderer: Renderer) -> tuple[list[int], list[Span]]:
+        """``prompt`` and its images' spans (a chat whose messages carry images; ValueError for a renderer that
+        cannot write images). Changes nothing."""
         if req.tokens is not None:
-            return list(req.tokens)
+            return list(req.tokens), []
         if req.text is not None:
-            return renderer.encode_text(req.text)
-        return renderer.encode_chat(self.messages(req))
+            return renderer.encode_text(req.text), []
+        messages = self.messages(req)
+        if not any(m.images for m in messages):
+            return renderer.encode_chat(messages), []
+        spans_of = getattr(renderer, "encode_chat_spans", None)
+        if spans_of is None:
+            raise ValueError("messages with images are rendered by the simulator only (simulate, plan, explain)")
+        ids, spans = spans_of(messages)
+        return list(ids), list(spans)
 
     def add_reply(self, req: ScenarioRequest, reply: str) -> None:
         """Record the reply to ``req``: later turns of its conversation see its messages and this reply."""

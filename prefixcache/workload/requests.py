@@ -24,9 +24,21 @@ def finite_number(v: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class ImageRef:
+    """An image a message carries, as the simulator sees it: its content id (equal ids: the same picture) and
+    how many placeholder tokens the model's processor gives it."""
+
+    id: str
+    tokens: int
+
+
+@dataclass(frozen=True)
 class Message:
+    """A chat message; ``images`` come before its text, as a chat client sends a picture with a question."""
+
     role: str
     content: str
+    images: tuple[ImageRef, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,14 @@ import yaml
 from prefixcache.core.errors import InputError, shown
 from prefixcache.workload.files import MiB, input_file, read_text
 from prefixcache.workload.generators import run_generators
-from prefixcache.workload.requests import MAX_REQUESTS, MAX_TOKENS, Message, ScenarioRequest, finite_number
+from prefixcache.workload.requests import (
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    ImageRef,
+    Message,
+    ScenarioRequest,
+    finite_number,
+)
 from prefixcache.workload.trace import Trace, is_trace_path, load_trace
 from prefixcache.workload.yaml_lines import LineLoader, YamlContext, pos_int, scalar_text
 
@@ -99,10 +106,10 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
         out = []
         for m in msgs:
             ml = ctx.line_of(m) or ctx.line_of(r, "messages")
-            ctx.check_keys(m, {"role", "content"}, "a message", ml)
+            ctx.check_keys(m, {"role", "content", "images"}, "a message", ml)
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ctx.fail("a message needs a string role and a string content", ml)
-            out.append(Message(m["role"], m["content"]))
+            out.append(Message(m["role"], m["content"], _parse_images(ctx, m, ml)))
         kw["messages"] = tuple(out)
     else:
         toks = r["tokens"]
@@ -131,6 +138,27 @@ def _parse_request(ctx: YamlContext, r: Any, index: int, list_line: int | None) 
         kw["max_new_tokens"] = pos_int(ctx, r["max_new_tokens"], "max_new_tokens", line_k, maximum=MAX_TOKENS)
     repeat = pos_int(ctx, r.get("repeat", 1), "repeat", ctx.line_of(r, "repeat"), maximum=MAX_REQUESTS)
     return [ScenarioRequest(**kw)] * repeat
+
+
+def _parse_images(ctx: YamlContext, m: Any, line: int | None) -> tuple[ImageRef, ...]:
+    """A message's ``images``: a list of {id: content id, tokens: placeholder tokens}."""
+    if "images" not in m:
+        return ()
+    items, where = m["images"], ctx.line_of(m, "images") or line
+    if not isinstance(items, list) or not items:
+        raise ctx.fail("images must be a non-empty list of {id, tokens}", where)
+    out = []
+    for item in items:
+        il = ctx.line_of(item) or where
+        ctx.check_keys(item, {"id", "tokens"}, "an image", il)
+        name = scalar_text(ctx, item.get("id"), "an image's id", il) if item.get("id") is not None else None
+        if not name:
+            raise ctx.fail("an image needs an id (equal ids: the same picture)", il)
+        tokens = pos_int(
+            ctx, item.get("tokens"), "an image's tokens", ctx.line_of(item, "tokens") or il, maximum=MAX_TOKENS
+        )
+        out.append(ImageRef(name, tokens))
+    return tuple(out)
 
 
 def _check_count(ctx: YamlContext, requests: list[ScenarioRequest], line: int | None) -> None:

@@ -5,7 +5,8 @@ over a thousand tokens that is mostly one image, cached against bare, and every 
     python benchmarks/bench_multimodal.py --families    # also each family of tests/vlm_zoo.py (about a minute)
 
 Per round (a fresh cache): the bare model's first token on question 1 about image A (the vision tower and the
-whole prompt); the wrapper's on the same prompt (a miss); question 2 about image A (served from cache up to the
+whole prompt); the wrapper's first call with images (another picture: it runs the image path's check first,
+timed on its own); the wrapper's on question 1 about image A (a miss); question 2 about image A (served from cache up to the
 question); question 1 about image B, which has the same size and so the same placeholder ids (image tokens
 served from cache must be 0); question 1 about image A after another system prompt (the vision tower must not
 run: its output is kept by content id). TTFT is ``generate(max_new_tokens=1)``'s wall time, the image already
@@ -86,6 +87,10 @@ def one_round(model: Any, proc: Any, side: int, reply_tokens: int) -> dict[str, 
     row["image_tokens"] = int((cases["miss"]["input_ids"] == image_id).sum())
     with torch.inference_mode():
         row["bare_ttft_s"], _ = timed(lambda: model.generate(**cases["miss"], max_new_tokens=1, do_sample=False))
+        # the wrapper's first call with images runs the image path's check (a miss and a hit, against the bare
+        # model) before it: timed here on a third picture, apart from the cases
+        warm = inputs(proc, OTHER_SYSTEM, picture(3, side), QUESTIONS[1])
+        row["first_image_call_s"], _ = timed(lambda: pcm.generate(**warm, max_new_tokens=1, do_sample=False))
         inner(model).get_image_features = counted
         try:
             for name, inp in cases.items():
@@ -103,6 +108,7 @@ def one_round(model: Any, proc: Any, side: int, reply_tokens: int) -> dict[str, 
             del inner(model).get_image_features
         exact = True
         check = PrefixCachedModel(model, block_size=16, max_cached_tokens=16384)
+        check.generate(**warm, max_new_tokens=1, do_sample=False)  # its image check, before the compared calls
         for inp in cases.values():  # the replies, cached (after the previous cases) against bare
             got = check.generate(**inp, max_new_tokens=reply_tokens, do_sample=False)
             ref = model.generate(**inp, max_new_tokens=reply_tokens, do_sample=False)
@@ -219,6 +225,7 @@ def main() -> None:
             f"exact={x['replies_equal']}"
         )
     med = {"bare_ttft_s": statistics.median(x["bare_ttft_s"] for x in rounds)}
+    med["first_image_call_ratio"] = statistics.median(x["first_image_call_s"] / x["bare_ttft_s"] for x in rounds)
     for case in ("miss", "same_image", "other_image", "other_system"):
         med[case] = {
             "ttft_s": statistics.median(x[case]["ttft_s"] for x in rounds),

@@ -20,6 +20,7 @@ import torch
 from engine import contiguous
 from engine.generate_checks import merged_config
 from engine.hybrid.probe import tolerance
+from engine.media.inputs import MediaCall
 from engine.versions import label
 
 if TYPE_CHECKING:
@@ -81,5 +82,41 @@ def contiguous_reason(rt: ModelRuntime) -> str | None:
         return (
             f"the check at load found its cached first-step logits {diff:.1e} (relative) from the bare model's, "
             f"beyond {tol:.0e} ({label()})"
+        )
+    return None
+
+
+IMAGE_NAMESPACE = "prefixcache-image-check"  # the image check's requests' namespace: never a caller's
+
+
+def image_reason(rt: ModelRuntime, input_ids: torch.Tensor, mask: torch.Tensor, media: MediaCall) -> str | None:
+    """The check of the image path, on a model's first call with images (``ModelRuntime.image_check``): the
+    call's batch goes through the contiguous path twice in a namespace of its own (a miss: the images' encoder
+    outputs handed to the model; then a hit through them: their cached KV and positions), and each time its
+    first-step logits are compared with one bare forward over the same inputs. Returns why the image path must
+    not be used on this install (a difference beyond tolerance, a probe that raised), or None. Changes the cache:
+    the probe's blocks stay, in its namespace."""
+    model = rt.model
+    kwargs = {"max_new_tokens": 1, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    gc, why = merged_config(model, kwargs)
+    if gc is None:
+        return f"the image check's generation settings are refused: {why}"
+    names = [IMAGE_NAMESPACE] * input_ids.shape[0]
+    try:
+        with torch.inference_mode():
+            ref = model(input_ids=input_ids, attention_mask=mask, **media.kwargs).logits[:, -1].float()
+            diff = 0.0
+            for _ in range(2):  # a miss, then a hit through the images
+                out, _ = contiguous.generate(rt, input_ids, mask, gc, names, kwargs, None, media)
+                got = out.logits[0].float()
+                scale = ref.abs().amax(dim=-1).clamp_min(1.0)
+                diff = max(diff, float(((got - ref).abs().amax(dim=-1) / scale).max()))
+    except Exception as exc:  # a path that raises on this install: uncached, with what it raised
+        return f"the check of the image path raised {type(exc).__name__}: {exc} ({label()})"
+    tol = tolerance(model)
+    if diff > tol:
+        return (
+            f"the check of the image path found its cached first-step logits {diff:.1e} (relative) from the bare "
+            f"model's, beyond {tol:.0e} ({label()})"
         )
     return None

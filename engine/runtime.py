@@ -40,6 +40,7 @@ from engine.hybrid.store import HybridStates
 from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
 from engine.media.encoder_cache import DEFAULT_MAX_ENCODER_CACHE_BYTES, EncoderCache
 from engine.media.families import Family, family_for
+from engine.media.inputs import MediaCall
 from engine.names import cache_namespace
 from engine.paged import linear
 from engine.paged.runner import PROBE_TOLERANCE, paged_unsupported_reason, probe_difference
@@ -161,6 +162,8 @@ class ModelRuntime:
         # the model's image layout (engine.media), or why prompts with images on it run uncached
         self.media_family: Family | None
         self.media_family, self.media_reason = family_for(model)
+        self._images_checked = False  # the image path's check (engine.path_check.image_reason) passed
+        self._images_off = False  # ... or failed: images run uncached (text calls still use media_family)
         self._tier_served_base = 0  # the tier's served_blocks at the last counter reset (the tier outlives it)
         self.unsupported_reason = hf_cache.unsupported_reason(model)
         if self.unsupported_reason is not None and on_unsupported == "error":
@@ -232,6 +235,35 @@ class ModelRuntime:
         if reason is not None:
             self._uncached_at_load(reason)
         return reason is not None
+
+    @property
+    def image_family(self) -> Family | None:
+        """The family whose images this runtime caches (None: images run uncached, ``media_reason`` says why)."""
+        return None if self._images_off else self.media_family
+
+    def check_images(self, input_ids: torch.Tensor, mask: torch.Tensor, media: MediaCall) -> bool:
+        """Before the first call with images (and again after a dtype or device change): the image path's check
+        (``engine.path_check.image_reason``) on this call's batch, with the tiers detached; the counters are put
+        back as they were. On a failure, images run uncached from now on with the reason (``media_reason``,
+        warned once). Returns whether images may be cached. Changes the cache (the check's blocks, in its own
+        namespace)."""
+        if self._images_checked:
+            return True
+        stats = replace(self.cache.stats)
+        index_stats = None if self.hybrid is None else replace(self.hybrid.index.stats)
+        enc = self.encoder_cache.hits, self.encoder_cache.misses
+        with self._tiers_detached():
+            reason = path_check.image_reason(self, input_ids, mask, media)
+        self.cache.stats = stats
+        if self.hybrid is not None and index_stats is not None:
+            self.hybrid.index.stats = index_stats
+        self.encoder_cache.hits, self.encoder_cache.misses = enc
+        if reason is None:
+            self._images_checked = True
+            return True
+        self.media_reason, self._images_off = reason, True
+        self.warn_once(f"PrefixCachedModel: prompts with images run uncached: {reason}", UncachedCallWarning, 4)
+        return False
 
     def _uncached_at_load(self, reason: str) -> None:
         """Keep the model without a pool (as ``on_unsupported="passthrough"`` does) because the check at load found
@@ -380,6 +412,7 @@ class ModelRuntime:
             self._rebind_tiers()
             self._link_hybrid()
             self._check_at_load()  # the other dtype or device is checked as the first one was
+            self._images_checked = False  # and so is the image path, at its next call
             return
         now = WeightsSnapshot.take(model)
         what = describe_change(model, self._weights, now)

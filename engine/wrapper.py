@@ -322,8 +322,8 @@ class PrefixCachedModel:
             reason = "nested call (from inside another generate of this wrapper)" if self._active else None
             if reason is None and rt.unsupported_reason is not None:
                 reason = f"model not cacheable: {rt.unsupported_reason}"
-            fam = rt.media_family
-            keyed = (*fam.inputs, *fam.optional) if fam is not None else ()
+            fam = rt.image_family or rt.media_family  # images off after a failed check: its per-token kwargs only
+            keyed = () if fam is None else (*fam.inputs, *fam.optional) if rt.image_family else fam.optional
             why = rt.media_reason or ""
             reason = reason or uncached_reason(input_ids, attention_mask, kwargs, keyed, why)
             if reason is None:
@@ -343,6 +343,9 @@ class PrefixCachedModel:
             media, rest = prepare(self.model, fam, input_ids, attention_mask, kwargs, rt.block_size, rt.encoder_cache)
             if media is not None and ends_in_image(media, input_ids.shape[1]):
                 return self._run_uncached("a prompt ends with an image placeholder", input_ids, attention_mask, kwargs)
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            if media is not None and not rt.check_images(input_ids, mask, media):
+                return self._run_uncached(f"images: {rt.media_reason}", input_ids, attention_mask, kwargs)
             self._active += 1
             try:
                 hints = row_hints(snapshot_hints, len(names))
@@ -513,10 +516,12 @@ class PrefixCachedModel:
                         images[key] = torch.cat([images[key].reshape(1, -1), pad], dim=1)
             with self.lock:
                 rt.follow()
-                fam = rt.media_family
+                fam = rt.image_family
                 call = None
                 if rt.pool is not None and fam is not None and set(images) <= {*fam.inputs, *fam.optional}:
                     call, _ = prepare(self.model, fam, ids, None, images, rt.block_size, rt.encoder_cache)
+                if call is not None and rt.hybrid is None and not rt.check_images(ids, torch.ones_like(ids), call):
+                    call = None
                 if call is None or rt.hybrid is not None:
                     why = rt.unsupported_reason or rt.media_reason or "images on a hybrid model are scored uncached"
                     rt.warn_once(f"PrefixCachedModel: scoring images without the cache: {why}", UncachedCallWarning, 5)

@@ -41,7 +41,8 @@ class Item:
 class MediaCall:
     """The images of one call (module docstring). ``positions``/``deltas``: M-RoPE families' 3-D position ids of
     the padded batch (3, batch, width) and rope deltas (batch, 1); ``types``: the per-token image marks of a
-    bidirectional family (batch, width); None otherwise. ``features``: encoder outputs this call computed."""
+    bidirectional family (batch, width); None otherwise. ``features``: encoder outputs this call computed;
+    ``kwargs``: its media kwargs as they were given."""
 
     family: Family
     items: list[list[Item]]
@@ -51,6 +52,7 @@ class MediaCall:
     pads: list[int]
     types: torch.Tensor | None = None
     features: dict[bytes, Features] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the call's media kwargs as given (the bare model's)
 
     def encoder_outputs(
         self, model: Any, cache: EncoderCache, row: int, start: int, stop: int
@@ -166,7 +168,7 @@ def build(
         types = given.get(family.types)
         if types is None or tuple(types.shape) != tuple(input_ids.shape):
             types = (input_ids == image_id).to(torch.long)
-    return MediaCall(family, items, material, pos_ids, deltas, pads, types, features)
+    return MediaCall(family, items, material, pos_ids, deltas, pads, types, features, given)
 
 
 def _count(

@@ -369,7 +369,7 @@ class _Serving:
         except Exception as exc:  # the template or the processor rejects the conversation
             raise APIError(400, f"the model's processor rejects these messages: {exc}", param="messages") from None
         tokens = [int(t) for t in out["input_ids"][0]]
-        media = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        media = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
         return tokens, media
 
     def _max_tokens(self, n: int, limit: int | None, default: int, param: str) -> int:

@@ -295,16 +295,19 @@ class Batcher:
         if reason is not None:  # the batcher's own settings: a bug, not the caller's
             raise RuntimeError(f"the batcher's generate settings cannot use the cache: {reason}")
         media_in = {k: v.to(rt.device) for k, v in (calls[0].media or {}).items()}  # images: a batch of one
+        ids_d, mask_d = ids.to(rt.device), mask.to(rt.device)
         with rt.lock:
             rt.follow()
             media, rest = None, kwargs
             if media_in and rt.pool is not None:
-                fam = rt.media_family
+                fam = rt.image_family
                 if fam is not None and set(media_in) <= {*fam.inputs, *fam.optional}:
                     media, rest = prepare(
-                        rt.model, fam, ids, mask, {**kwargs, **media_in}, rt.block_size, rt.encoder_cache
+                        rt.model, fam, ids_d, mask_d, {**kwargs, **media_in}, rt.block_size, rt.encoder_cache
                     )
-            if rt.pool is None or (media_in and (media is None or ends_in_image(media, width))):
+            if media is not None and (ends_in_image(media, width) or not rt.check_images(ids_d, mask_d, media)):
+                media = None
+            if rt.pool is None or (media_in and media is None):
                 # caching is off (a check at load failed on this install), or images it cannot key: the bare model
                 bare = cast("Callable[..., Any]", rt.model.generate)  # (mypy sees nn.Module.__getattr__)
                 bare(input_ids=ids.to(rt.device), attention_mask=mask.to(rt.device), **kwargs, **media_in)

@@ -126,12 +126,15 @@ def from_scenario(scenario: Scenario, block_size: int, renderer: Renderer | None
         try:
             prompt, spans = conv.prompt_spans(req, renderer)
             arr = as_token_array(prompt, f"request {i + 1} tokens")
-            commit = np.concatenate([arr, np.frombuffer(reply.encode("ascii"), np.uint8)[:-1].astype(np.int32)])
-            if spans:  # each image's content in the key stream of the blocks it touches (as the model side keys it)
+        except (TypeError, ValueError) as exc:
+            raise InputError(str(exc), scenario.path, req.line) from None
+        commit = np.concatenate([arr, np.frombuffer(reply.encode("ascii"), np.uint8)[:-1].astype(np.int32)])
+        if spans:  # each image's content in the key stream of the blocks it touches (as the model side keys it)
+            try:
                 material = block_material([(a, b, image_content_id(name)) for a, b, name in spans], block_size)
                 arr, commit = keyed_tokens(arr, material, block_size), keyed_tokens(commit, material, block_size)
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"request {i + 1}: {exc}", scenario.path, req.line) from None
+            except ValueError as exc:
+                raise InputError(f"request {i + 1}: {exc}", scenario.path, req.line) from None
         if len(arr) == 0:
             raise InputError(f"request {i + 1} renders to an empty prompt", scenario.path, req.line)
         prompts.append(arr)

@@ -25,6 +25,9 @@ class ServeConfig:
     batch_wait_ms: float = 5.0  # the batched-generate fallback only
     default_max_tokens: int = 256
     max_image_bytes: int = 8 * 2**20  # image-text models: the largest image a chat message may carry
+    max_queued_requests: int | None = None  # requests in flight past which new ones get 429 (None: no limit)
+    drain_timeout: int = 30  # seconds SIGTERM waits for requests in flight before it cancels them
+    debug_endpoints: bool = False  # GET /debug/cache: pools, pins and check_integrity() (for soak tests)
     seed: int = 0
     log_level: str = "info"
     use_engine: bool = True
@@ -86,10 +89,26 @@ def run_local(cfg: ServeConfig) -> int:
 
     # torch runs on a thread that ends here, so the engine thread's OpenMP team is the process's only one
     backend = run_in_thread(load)
-    app = create_app(backend, default_max_tokens=cfg.default_max_tokens, max_image_bytes=cfg.max_image_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
-    # uvicorn catches SIGINT/SIGTERM, drains in-flight requests, runs the app's shutdown, then re-raises the
-    # signal with the handlers it found: quiet ones make that a normal return (exit status 0).
+    app = create_app(
+        backend,
+        default_max_tokens=cfg.default_max_tokens,
+        max_image_bytes=cfg.max_image_bytes,
+        max_queued_requests=cfg.max_queued_requests,
+        debug=cfg.debug_endpoints,
+    )
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.serving.draining = True  # /health says so; a request on a kept-alive connection gets 503
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=cfg.drain_timeout
+    )
+    server = Draining(config)
+    # uvicorn catches SIGINT/SIGTERM, stops accepting, drains in-flight requests (cancelling what still runs after
+    # drain_timeout: the engine aborts those rows), runs the app's shutdown, then re-raises the signal with the
+    # handlers it found: quiet ones make that a normal return (exit status 0).
     quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()

@@ -55,15 +55,24 @@ def salt_namespace(salt: str | None) -> str:
 
 
 def create_app(
-    backend: Backend, *, default_max_tokens: int = 256, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    backend: Backend,
+    *,
+    default_max_tokens: int = 256,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    max_queued_requests: int | None = None,
+    debug: bool = False,
 ) -> FastAPI:
     """The app over ``backend``; its lifespan starts and stops the backend (uvicorn and Ray Serve run it).
 
     ``default_max_tokens`` caps a chat completion that names no limit (completions default to 16, as OpenAI);
-    ``max_image_bytes``: the largest encoded image a chat message may carry.
+    ``max_image_bytes``: the largest encoded image a chat message may carry; ``max_queued_requests``: requests
+    in flight (running and waiting) past which a new one gets 429 with ``Retry-After`` (None: no limit);
+    ``debug``: serve ``GET /debug/cache`` (each replica's pool, pins and ``check_integrity()``), for soak tests.
+    ``app.state.serving.draining = True`` (``run_local`` sets it on SIGTERM) answers new requests 503 and
+    ``/health`` "draining".
     """
     metrics = ServeMetrics(backend.figures)
-    serving = _Serving(backend, metrics, default_max_tokens, max_image_bytes)
+    serving = _Serving(backend, metrics, default_max_tokens, max_image_bytes, max_queued_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,10 +85,12 @@ def create_app(
     app = FastAPI(title="prefixcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
     app.state.metrics = metrics
+    app.state.serving = serving
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -98,10 +109,19 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if serving.draining:
+            detail = f"{serving.in_flight} request(s) finishing; no new ones are taken"
+            return JSONResponse({"status": "draining", "detail": detail}, status_code=503)
         missing = await backend.ready()
         if missing is not None:
             return JSONResponse({"status": "starting", "detail": missing}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    if debug:
+
+        @app.get("/debug/cache")
+        async def debug_cache() -> JSONResponse:
+            return JSONResponse({"in_flight": serving.in_flight, "replicas": await backend.debug()})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -198,18 +218,53 @@ class _Detokenizer:
 
 # ---- the request path --------------------------------------------------------------------------------------------
 class _Serving:
-    def __init__(self, backend: Backend, metrics: ServeMetrics, default_max_tokens: int, max_image_bytes: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        metrics: ServeMetrics,
+        default_max_tokens: int,
+        max_image_bytes: int,
+        max_queued_requests: int | None = None,
+    ) -> None:
         self.backend = backend
         self.max_image_bytes = max_image_bytes
+        self.max_queued_requests = max_queued_requests
         self.info = backend.info
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        self.in_flight = 0  # requests admitted and not yet answered (streams: until their last event)
+        self.draining = False
+
+    def _admit(self) -> None:
+        """Raise APIError 503 (draining) or 429 (``max_queued_requests`` in flight) for a new request."""
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise APIError(503, "the server is shutting down; retry on another replica", retry_after=1)
+        limit = self.max_queued_requests
+        if limit is not None and self.in_flight >= limit:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(
+                429,
+                f"{self.in_flight} requests are in flight, this server's limit (--max-queued-requests {limit}); "
+                "retry later",
+                code="queue_full",
+                retry_after=1,
+            )
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def _done(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
 
     async def answer(self, request: Request, kind: type[CompletionRequest | ChatRequest], fmt: _Format) -> Response:
         started = time.monotonic()
         try:
             body = _parse(kind, await request.body())
             calls = self._calls(body, request)
+            self._admit()
         except APIError as exc:
             self.metrics.requests.labels(fmt.endpoint, str(exc.status)).inc()
             raise
@@ -217,13 +272,18 @@ class _Serving:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             self.metrics.requests.labels(fmt.endpoint, "200").inc()
-            events = self._sse(calls[0], rid, fmt, include_usage, started)
+            events = self._sse(calls[0], rid, fmt, include_usage, started)  # in flight once it starts
             return StreamingResponse(events, media_type="text/event-stream")
+        self._enter()
         try:
             results = await _unless_disconnected(request, asyncio.gather(*(self._run(call, started) for call in calls)))
         except APIError as exc:
             self.metrics.requests.labels(fmt.endpoint, str(exc.status)).inc()
+            if exc.status == 499:
+                self.metrics.aborted.inc()
             raise
+        finally:
+            self._done()
         self.metrics.requests.labels(fmt.endpoint, "200").inc()
         choices = [
             fmt.choice(i, self._text(call, ids), _finish_reason(f), self._logprobs(call, ids, f, body))
@@ -287,6 +347,16 @@ class _Serving:
         calls = []
         for tokens in prompts:
             max_tokens = self._max_tokens(len(tokens), limit, default, param)
+            need, pool = len(tokens) + max(max_tokens, 1) - 1, self.info.pool_tokens
+            if pool is not None and media is None and need > pool:  # the engine's requests hold their KV in the pool
+                raise APIError(
+                    400,
+                    f"this request needs the KV of {need} tokens ({len(tokens)} in the prompt, {max_tokens} to "
+                    f"generate) and the server's KV pool holds {pool}: it can never run. Shorten the prompt or lower "
+                    "max_tokens (or start the server with a larger --max-cached-tokens)",
+                    param=param,
+                    code="kv_pool_exceeded",
+                )
             if max_tokens == 0 and len(tokens) < 2:
                 raise APIError(400, "echo with max_tokens 0 scores a prompt of 2 tokens or more", param=param)
             calls.append(
@@ -446,6 +516,8 @@ class _Serving:
 
         detok = _Detokenizer(self.info.tokenizer, call.stop)
         first = True
+        complete = False
+        self._enter()
         try:
             async with aclosing(self.backend.stream(call)) as items:
                 async for item in items:
@@ -460,6 +532,7 @@ class _Serving:
                             u = usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                             last.append(event([], usage=u))
                         last.append("data: [DONE]\n\n")
+                        complete = True
                         yield "".join(last)
                         return
                     if not detok.ids:
@@ -469,7 +542,12 @@ class _Serving:
                         yield event([fmt.delta(0, delta, None, first)])
                         first = False
         except Exception as exc:  # after the 200 went out, an error can only travel in the stream
+            complete = True
             yield f"data: {json.dumps(error_body(f'generation failed: {exc!r}', type='server_error'))}\n\n"
+        finally:  # also when the client went away (the generator is closed): the call was cancelled with it
+            self._done()
+            if not complete:
+                self.metrics.aborted.inc()
         yield "data: [DONE]\n\n"
 
 

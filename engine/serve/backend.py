@@ -5,6 +5,8 @@ turned off, a ``Batcher`` of batched contiguous ``generate`` calls (``make_worke
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
 from concurrent.futures import Future
@@ -32,6 +34,7 @@ class ModelInfo:
     default_temperature: float  # 0.0 (greedy) unless the model's generation config samples
     hybrid: bool = False  # recurrent layers: chat calls carry their messages' ends as snapshot hints
     processor: Any = None  # image-text models: what turns a chat with images into model inputs (None: text only)
+    pool_tokens: int | None = None  # the engine's KV pool in tokens: a request needing more never fits (None: no limit)
 
 
 class Backend(Protocol):
@@ -61,6 +64,10 @@ class Backend(Protocol):
         """Each replica's figures (cache, queue, batches) as of the last refresh."""
         ...
 
+    async def debug(self) -> dict[str, dict[str, Any]]:
+        """Each replica's ``debug_figures`` (for soak tests: ``/debug/cache``)."""
+        ...
+
 
 def model_info(model_id: str, runtime: ModelRuntime) -> ModelInfo:
     """``ModelInfo`` of a loaded model runtime (which holds its tokenizer)."""
@@ -76,6 +83,27 @@ def model_info(model_id: str, runtime: ModelRuntime) -> ModelInfo:
         runtime.hybrid is not None,
         runtime.processor,
     )
+
+
+def debug_figures(runtime: ModelRuntime) -> dict[str, Any]:
+    """What a soak test watches in one runtime: ``check_integrity()`` ("ok" or its message), the pool's free,
+    cached, pinned (by live requests' paths) and owned (in flight) blocks, and live requests. Run it on the
+    worker's thread (``run_exclusive``)."""
+    cache = runtime.cache
+    try:
+        cache.check_integrity()
+        integrity = "ok"
+    except AssertionError as exc:
+        integrity = str(exc) or "AssertionError"
+    return {
+        "integrity": integrity,
+        "blocks": cache.num_blocks,
+        "free_blocks": cache.num_free_blocks,
+        "cached_blocks": cache.num_cached_blocks,
+        "pinned_blocks": cache.num_pinned_blocks,
+        "owned_blocks": cache.num_owned_blocks,
+        "active_requests": cache.num_active_requests,
+    }
 
 
 def describe_model(model: str) -> ModelInfo:
@@ -170,10 +198,11 @@ class LocalBackend:
         use_engine: bool = True,
     ) -> None:
         self.runtime = runtime
-        self.info = model_info(model_id, runtime)
         self.worker = make_worker(
             runtime, use_engine=use_engine, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms
         )
+        pool = runtime.cache.num_blocks * runtime.block_size if isinstance(self.worker, EngineLoop) else None
+        self.info = dataclasses.replace(model_info(model_id, runtime), pool_tokens=pool)
         # calls with images: contiguous generate, one at a time (the engine takes no images)
         self.media_worker = Batcher(runtime, max_batch_size=1, batch_wait_ms=0) if runtime.processor else None
 
@@ -205,3 +234,9 @@ class LocalBackend:
 
     def figures(self) -> dict[str, dict[str, Any]]:
         return {"local": replica_figures(self.worker.cache_stats, self.worker.stats())}
+
+    async def debug(self) -> dict[str, dict[str, Any]]:
+        got = self.worker.run_exclusive(lambda: debug_figures(self.runtime))
+        figures = await asyncio.wrap_future(got)
+        figures["queue_length"] = self.worker.stats().get("queue_length", 0)
+        return {"local": figures}

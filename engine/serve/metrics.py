@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -112,6 +112,16 @@ class ServeMetrics:
             "prefixcache_cached_tokens", "Prompt tokens of answered requests served from cache", registry=r
         )
         self.completion_tokens = Counter("prefixcache_completion_tokens", "Tokens generated", registry=r)
+        self.rejected = Counter(
+            "prefixcache_requests_rejected",
+            "Requests refused at admission: queue_full (429), draining (503); 400s are in prefixcache_requests",
+            ["reason"],
+            registry=r,
+        )
+        self.aborted = Counter(
+            "prefixcache_requests_aborted", "Requests whose client went away before the reply was complete", registry=r
+        )
+        self.in_flight = Gauge("prefixcache_requests_in_flight", "Requests admitted and not yet answered", registry=r)
         self.ttft = Histogram(
             "prefixcache_time_to_first_token_seconds",
             "Time from a request's arrival to its first generated token",

@@ -29,6 +29,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -36,6 +37,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as a Retry-After header (429, 503)
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {...}}``."""

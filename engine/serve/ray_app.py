@@ -14,6 +14,7 @@ router of an HTTP ingress sees no body): the same split as Ray Serve LLM's OpenA
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -29,10 +30,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from engine.runtime import ModelRuntime
+from engine.runtime import DEFAULT_MAX_CACHED_TOKENS, ModelRuntime
 from engine.serve import ServeConfig
 from engine.serve.app import create_app
-from engine.serve.backend import ModelInfo, describe_model, make_worker
+from engine.serve.backend import ModelInfo, debug_figures, describe_model, make_worker
 from engine.serve.engine_loop import EngineLoop
 from engine.serve.metrics import replica_figures
 from engine.serve.protocol import Finished, GenerateCall, StreamItem
@@ -59,6 +60,16 @@ class RayConfig:
     app_name: str = APP_NAME
 
 
+# what /debug/cache shows of a replica's figures
+DEBUG_KEYS = (
+    "integrity",
+    "free_blocks",
+    "cached_blocks",
+    "pinned_blocks",
+    "owned_blocks",
+    "active_requests",
+    "queue_length",
+)
 PUBLISH_EVERY_S = 0.25  # a replica publishes at least this often while it has events and nothing finished
 
 
@@ -120,6 +131,7 @@ class ModelReplica:
         )
         self._started = False
         self._last_publish = 0.0
+        self.debug = cfg.debug_endpoints
         self._publish(True)  # the index learns of this replica (and the model's fingerprint) before any request
 
     def _publish(self, finished: bool) -> None:
@@ -131,6 +143,8 @@ class ModelReplica:
         self._last_publish = now
         figures = replica_figures(self.worker.cache_stats, self.worker.stats())
         figures["engine"] = int(isinstance(self.worker, EngineLoop))
+        if self.debug:  # on the worker's thread, between steps: the pool as it is now
+            figures.update(debug_figures(self.runtime))
         self.publisher.flush(figures)
 
     async def generate(self, call: GenerateCall) -> AsyncGenerator[StreamItem, None]:
@@ -182,6 +196,12 @@ class RayBackend:
         up = len(self._figures)  # a replica publishes once its model is loaded
         return None if up >= self.replicas else f"{up} of {self.replicas} model replicas are up"
 
+    async def debug(self) -> dict[str, dict[str, Any]]:
+        """Each replica's ``debug_figures`` as it last published them (after its last step)."""
+        await self.refresh()
+        keys = DEBUG_KEYS
+        return {r: {k: f[k] for k in keys if k in f} for r, f in self._figures.items()}
+
     def figures(self) -> dict[str, dict[str, Any]]:
         return self._figures
 
@@ -197,12 +217,21 @@ class Ingress:
 
     def __init__(self, model: DeploymentHandle[Any], cfg: ServeConfig, index_name: str, replicas: int) -> None:
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
-        self.backend = RayBackend(model, describe_model(cfg.model), index, replicas)
+        info = describe_model(cfg.model)
+        if cfg.use_engine:  # the replicas' pools, as their runtimes size them: a request needing more never fits
+            tokens = DEFAULT_MAX_CACHED_TOKENS if cfg.max_cached_tokens is None else cfg.max_cached_tokens
+            info = dataclasses.replace(info, pool_tokens=tokens // cfg.block_size * cfg.block_size)
+        self.backend = RayBackend(model, info, index, replicas)
         self.cfg = cfg
 
     def __serve_build_asgi_app__(self) -> Any:
+        cfg = self.cfg
         return create_app(
-            self.backend, default_max_tokens=self.cfg.default_max_tokens, max_image_bytes=self.cfg.max_image_bytes
+            self.backend,
+            default_max_tokens=cfg.default_max_tokens,
+            max_image_bytes=cfg.max_image_bytes,
+            max_queued_requests=cfg.max_queued_requests,
+            debug=cfg.debug_endpoints,
         )
 
 

@@ -117,6 +117,26 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Image-text models: the largest image (encoded bytes of its data: URL) a chat message may carry.",
         ),
+        max_queued_requests: int | None = typer.Option(
+            None,
+            "--max-queued-requests",
+            min=1,
+            help="Requests in flight (running and waiting) past which a new one gets 429 with Retry-After (default: "
+            "no limit).",
+        ),
+        drain_timeout: int = typer.Option(
+            30,
+            "--drain-timeout",
+            min=0,
+            help="Seconds SIGTERM lets the requests in flight finish (new ones get 503, /health says draining) "
+            "before it cancels the rest and exits 0.",
+        ),
+        debug_endpoints: bool = typer.Option(
+            False,
+            "--debug-endpoints",
+            help="Serve GET /debug/cache: each replica's pool (free, cached, pinned blocks) and check_integrity(), "
+            "for soak tests. Off by default.",
+        ),
         seed: int = typer.Option(0, "--seed", help="Weight seed of a built-in preset."),
         disk_cache: str | None = typer.Option(
             None, "--disk-cache", help="Directory of a disk tier below the pool (LMDB): evicted blocks stay there."
@@ -185,6 +205,9 @@ def register(app: typer.Typer) -> None:
             batch_wait_ms=batch_wait_ms,
             default_max_tokens=max_tokens,
             max_image_bytes=max_image_bytes,
+            max_queued_requests=max_queued_requests,
+            drain_timeout=drain_timeout,
+            debug_endpoints=debug_endpoints,
             seed=seed,
             use_engine=engine,
             max_step_tokens=max_step_tokens,

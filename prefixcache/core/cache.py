@@ -216,6 +216,11 @@ class PrefixCache:
     def num_active_requests(self) -> int:
         return len(self._live)
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Cached blocks that live requests pin (on their matched or committed paths); O(cached nodes). Idle: 0."""
+        return sum(len(n.blocks) for n in self.tree.nodes() if n.pins)
+
     # ---- lookups -------------------------------------------------------------------------------------
     def match(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE, *, max_blocks: int | None = None) -> MatchResult:
         """Find and PIN the longest cached prefix of ``tokens``, at most ``max_blocks`` blocks (default: all but at

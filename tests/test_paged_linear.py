@@ -52,3 +52,23 @@ def test_repack_follows_changed_weights():
         with packed.active():
             got = model(input_ids=ids).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_row_counts_are_bucketed_and_padding_changes_nothing():
+    """oneDNN keeps a primitive per input shape: row counts past 16 are computed as a multiple of 16 (so a server
+    sees few shapes), and the padded rows change no result."""
+    import torch
+
+    from engine.paged.linear import PackedLinears, rows_bucket
+
+    assert [rows_bucket(n) for n in (1, 16, 17, 32, 33, 256, 257)] == [1, 16, 32, 32, 48, 256, 272]
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(24, 40)).eval()
+    packed = PackedLinears(net)
+    for n in (1, 5, 16, 17, 40, 257):
+        x = torch.randn(n, 24)
+        with torch.no_grad():
+            ref = net(x)
+            with packed.active():
+                got = net(x)
+        assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5)

@@ -78,12 +78,30 @@ class PackedLinears:
                 m.__dict__.pop("forward", None)
 
 
+def rows_bucket(n: int) -> int:
+    """The row count a packed linear computes ``n`` rows as: ``n`` up to ``EXACT_ROWS``, else ``n`` rounded up to
+    a multiple of ``ROW_STEP``. oneDNN keeps a primitive (and its buffers) per input shape; a serving engine's
+    steps have every row count from 1 to its step budget, and one primitive each grew a server's resident memory
+    without bound (about 100 MiB a minute in ``benchmarks/soak.py``). Buckets keep the shapes few: at most
+    ``ROW_STEP - 1`` padding rows on ``n`` (under 6% at 256)."""
+    return n if n <= EXACT_ROWS else -(-n // ROW_STEP) * ROW_STEP
+
+
+EXACT_ROWS = 16  # decode steps: one row per running request, computed as they are
+ROW_STEP = 16
+
+
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     linear = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y: torch.Tensor = linear(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
+        rows = x.reshape(-1, shape[-1])
+        n = rows.shape[0]
+        m = rows_bucket(n)
+        if m != n:  # zero rows up to the bucket, dropped after
+            rows = torch.cat([rows, rows.new_zeros(m - n, rows.shape[1])])
+        y: torch.Tensor = linear(rows, weight, bias, "none", [], "")[:n]
         return y.view(*shape[:-1], y.shape[-1])
 
     return forward

@@ -13,6 +13,7 @@ router of an HTTP ingress sees no body): the same split as Ray Serve LLM's OpenA
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -189,7 +190,10 @@ class RayBackend:
                 gen.cancel()
 
     async def refresh(self) -> None:
-        self._figures = await self._index.figures.remote()
+        try:  # an index that does not answer keeps the figures it gave last
+            self._figures = await asyncio.wait_for(asyncio.shield(self._index.figures.remote()), 10.0)
+        except Exception as exc:
+            logger.warning("prefixcache: the prefix index did not answer for figures (%r)", exc)
 
     async def ready(self) -> str | None:
         await self.refresh()

@@ -12,6 +12,7 @@ replicas *cache*, so an eviction is seen as soon as it happens.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from prefixcache.sim.routing import (
 
 logger = logging.getLogger("ray.serve")
 INDEX_NAMESPACE = "prefixcache"
+INDEX_TIMEOUT_S = 2.0  # a routing decision waits this long for the prefix index, then routes by load
 
 
 class IndexHolder:
@@ -184,6 +186,7 @@ class PrefixAwareRouter(RequestRouter):
         self._index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self._policy = make_policy(policy, RoutingConfig(LoadGuard(abs_threshold, rel_threshold), min_match))
         self._decided: dict[str, dict[str, Any]] = {}  # request id -> what the policy saw and chose
+        self._index_errors = 0
         self._outstanding = Outstanding()
 
     async def choose_replicas(
@@ -197,7 +200,15 @@ class PrefixAwareRouter(RequestRouter):
         matched: dict[str, int] = {}
         blocks = None
         if self._policy.uses_index:
-            matched, blocks = await self._index.match.remote(call.prompt, call.namespace)
+            try:  # an index that does not answer in time is routed around (by load), never a failed request
+                matched, blocks = await asyncio.wait_for(
+                    asyncio.shield(self._index.match.remote(call.prompt, call.namespace)), INDEX_TIMEOUT_S
+                )
+            except Exception as exc:  # Ray's actor errors, a timeout
+                self._index_errors += 1
+                if self._index_errors in (1, 10, 100, 1000):
+                    logger.warning("prefixcache router: the prefix index did not answer (%r); routing by load", exc)
+                matched, blocks = {}, None
         # no await from here on: a burst of requests is decided one after the other, each seeing the others
         loads = self._outstanding.loads(order)
         decision = self._policy.choose(order, matched, loads, blocks=blocks)

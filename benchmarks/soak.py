@@ -2,7 +2,7 @@
 (or ``--replicas 2``) on 127.0.0.1 at a free port, sampled every few seconds, then a SIGTERM under load.
 
     python benchmarks/soak.py --minutes 20                  # one process (the issue's target run)
-    python benchmarks/soak.py --minutes 5 --replicas 2      # Ray Serve replicas
+    python benchmarks/soak.py --minutes 5 --replicas 2 --clients 6   # Ray Serve replicas
     python benchmarks/soak.py --minutes 1 --json /tmp/s.json   # a quick look
 
 The server runs the ``tiny`` preset with a small pool (``--pool-tokens``, default 1,536: a burst of long prompts
@@ -199,7 +199,10 @@ class Soak:
     # ---- sampling --------------------------------------------------------------------------------------------
     async def sample(self, client: Any) -> dict[str, Any]:
         now = time.monotonic()
-        debug = (await client.get(f"{self.url}/debug/cache", timeout=120)).json()
+        got = await client.get(f"{self.url}/debug/cache", timeout=120)
+        debug = got.json() if got.status_code == 200 else {"in_flight": -1, "replicas": {}}
+        if got.status_code != 200:  # counted: a sample without figures fails "integrity at every sample"
+            self.unexpected.append(f"/debug/cache answered {got.status_code}: {got.text[:200]}")
         reps = debug["replicas"]
         window = [s for t, s in self.latencies if t > now - self.args.sample_s]
         row = {
@@ -322,6 +325,22 @@ def plot(samples: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures docs/serving.md shows, derived from the run's counts (added to ``result`` and returned)."""
+    counts = result["status_counts"]
+    outcomes = result["sigterm"]["outcomes"]
+    result["summary"] = {
+        "answered": result["final"]["completed"],
+        "queue_full_429": counts.get("429", 0) + counts.get("stream 429", 0),
+        "bad_400": counts.get("400", 0) + counts.get("malformed 400", 0),
+        "sigterm_complete": outcomes.get("complete", 0),
+        "sigterm_errors": sum(v for k, v in outcomes.items() if k != "complete"),
+        "sigterm_error_kinds": ", ".join(sorted(k for k in outcomes if k != "complete")) or "none",
+        "clients": result["settings"]["clients"],
+    }
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=20.0)
@@ -336,7 +355,13 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="default benchmarks/results/soak[_replicas].json")
+    ap.add_argument("--resummarize", type=Path, default=None, help="recompute a written JSON's summary and exit")
     args = ap.parse_args()
+    if args.resummarize is not None:
+        done = summarize(json.loads(args.resummarize.read_text()))
+        args.resummarize.write_text(json.dumps(done, indent=1) + "\n")
+        print(json.dumps(done["summary"], indent=1))
+        return
     out = args.json or OUT.with_name("soak.json" if args.replicas == 1 else "soak_replicas.json")
     meta = _meta.begin()
     port = free_port()
@@ -391,7 +416,7 @@ def main() -> None:
         "sigterm": wave,
     }
     result["meta"] = _meta.end(meta)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(summarize(result), indent=1) + "\n")
     plot(s, out.with_suffix(".png"), f"prefixcache serve soak: {args.minutes:g} min, {args.replicas} replica(s)")
     print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "settings", "meta")}, indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -28,7 +28,16 @@ Q1, Q2, Q3 = [30, 31, 32, 33, 34], [30, 31, 40, 41, 42, 43, 44], [50, 51, 52]
 
 @pytest.fixture(scope="module", params=CACHED)
 def fam(request) -> Zoo:
+    if request.param == "llama4" and _transformers_below(5, 25):
+        pytest.skip("transformers 5.24's Llama 4 forward raises in the bare model itself (fixed in 5.25)")
     return build(request.param)
+
+
+def _transformers_below(major: int, minor: int) -> bool:
+    import transformers
+
+    got = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    return got < (major, minor)
 
 
 def wrap(fam: Zoo, **kw) -> PrefixCachedModel:

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_peers import free_port, tree
+
 import _meta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,27 +56,12 @@ ACTIONS = {  # action: weight
 }
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def tree_rss(pid: int) -> int:
-    """Bytes resident in ``pid`` and its descendants (Ray's replicas are children)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
+    """Bytes resident in ``pid`` and its descendants (Ray's replicas are children), from /proc."""
     total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += p.memory_info().rss
+    for p in tree(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return total
 
 

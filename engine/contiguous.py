@@ -13,7 +13,7 @@ K/V into the pool (and write them through to the tier) -> ``release`` (always, i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -213,12 +213,19 @@ class _Rows:
 
 
 def _commit_or_drop(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list[int]:
-    """``_commit_outputs``; if that fails, drop the cache (blocks may be in the tree without their KV: never serve
-    them) and take this call's blocks out of the counters again, then re-raise."""
+    """``_commit_outputs`` under ``_dropped_on_failure``."""
+    with _dropped_on_failure(rt):
+        return _commit_outputs(rt, out, cache, rows)
+
+
+@contextlib.contextmanager
+def _dropped_on_failure(rt: ModelRuntime) -> Iterator[None]:
+    """Commits inside; if they fail, drop the cache (blocks may be in the tree without their KV: never serve them)
+    and take their blocks out of the counters again, then re-raise."""
     stats = rt.cache.stats
     counted = stats.blocks_inserted, stats.blocks_not_cached
     try:
-        return _commit_outputs(rt, out, cache, rows)
+        yield
     except BaseException:
         rt.drop()
         stats.blocks_inserted, stats.blocks_not_cached = counted
@@ -398,9 +405,7 @@ def score(
         hf_cache.settle(row_cache, bufs, width)
         logp = torch.log_softmax(logits.float(), dim=-1)
         if rt.epoch == epoch:
-            stats = rt.cache.stats
-            counted = stats.blocks_inserted, stats.blocks_not_cached
-            try:
+            with _dropped_on_failure(rt):
                 res = rt.cache.commit(m.handle, keyed[:commit])
                 if res.block_ids:
                     start, stop = res.first_block * bs, (res.first_block + len(res.block_ids)) * bs
@@ -409,10 +414,6 @@ def score(
                     rt.tier.save_path(
                         rt.kv_pool, keyed[:commit], m.handle.namespace, [], res.first_block, res.block_ids
                     )
-            except BaseException:
-                rt.drop()
-                stats.blocks_inserted, stats.blocks_not_cached = counted
-                raise
         return logp, cached
     finally:
         if rt.epoch == epoch:

@@ -509,11 +509,10 @@ class PrefixCachedModel:
                 )
             ids = torch.tensor([full], dtype=torch.long, device=self.model.device)
             images = {k: v.to(self.model.device) for k, v in images.items()}
-            if "mm_token_type_ids" in images or "token_type_ids" in images:  # per token: the continuation's are 0
-                for key in ("mm_token_type_ids", "token_type_ids"):
-                    if key in images:
-                        pad = torch.zeros((1, len(cont_ids)), dtype=images[key].dtype, device=ids.device)
-                        images[key] = torch.cat([images[key].reshape(1, -1), pad], dim=1)
+            for key in ("mm_token_type_ids", "token_type_ids"):  # per token: the continuation's are 0
+                if key in images:
+                    pad = torch.zeros((1, len(cont_ids)), dtype=images[key].dtype, device=ids.device)
+                    images[key] = torch.cat([images[key].reshape(1, -1), pad], dim=1)
             with self.lock:
                 rt.follow()
                 fam = rt.image_family

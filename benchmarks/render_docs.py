@@ -7,7 +7,7 @@ The prose lives in ``docs/templates/``; every figure in it names the JSON value 
 or a JSON rerun without re-rendering fails ``--check`` (CI runs it, and so does tests/test_docs.py). Outputs:
 ``docs/benchmarks.md`` (whole), and the regions between ``<!-- begin NAME ... -->`` and ``<!-- end NAME -->`` in
 README.md (the headline results), docs/tiers-simulation.md (the shared-tier cluster table) and docs/tiers.md (its
-measured figures), docs/hybrid.md, docs/compatibility.md, docs/multimodal.md and docs/serving.md: ``TARGETS``.
+measured figures), docs/hybrid.md, docs/compatibility.md, docs/multimodal.md, docs/serving.md and docs/sliding.md: ``TARGETS``.
 
 Template syntax:
 
@@ -63,6 +63,7 @@ TARGETS = (
     Target("compat_measured.md", "docs/compatibility.md", "compat-measured"),
     Target("multimodal_measured.md", "docs/multimodal.md", "multimodal-measured"),
     Target("soak_measured.md", "docs/serving.md", "soak-measured"),
+    Target("sliding_measured.md", "docs/sliding.md", "sliding-measured"),
 )
 
 # Where a JSON keeps the 1-minute load average before and after its run: _meta.py's record first, then the

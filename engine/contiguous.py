@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicCache
 from engine import hf_cache
 from engine.hybrid import recurrent
 from engine.hybrid.rows import BoundaryCapture, HybridRow, prefill, stack_states
-from engine.kv_pool import LayerKV
+from engine.kv_pool import LayerKV, runs
 from engine.media.families import inner
 from engine.media.inputs import MediaCall, build
 from engine.runtime import ModelRuntime, eos_ids
@@ -34,6 +34,7 @@ from prefixcache.core import MatchResult
 from prefixcache.core.cache import RequestHandle
 from prefixcache.core.hashing import as_token_array
 from prefixcache.core.key_material import keyed_tokens
+from prefixcache.core.snapshots import snapshot_points
 from prefixcache.sim.causes import Fork, LiveRequest
 
 
@@ -141,7 +142,7 @@ def generate(
                 safe = media.safe_blocks(r, m.cached_blocks, rt.block_size)
                 if safe < m.cached_blocks:  # the tier's blocks are the match's tail: they go first
                     got = got[: max(0, len(got) - (m.cached_blocks - safe))]
-                    m = MatchResult(m.handle, safe * rt.block_size, safe, (np.asarray(m.block_ids[:safe], np.int64),))
+                    m = _cut(rt, m, safe)
             matches.append(m)
             tiered.append(len(got))
             live.append(rt.causes.request(ids, ns, m.cached_tokens, kv_cached=kv_cached))
@@ -177,7 +178,12 @@ def generate(
         inserted = [0] * batch
         if rt.epoch == epoch:  # else a callback reset the cache: these handles and blocks are gone
             material = [{}] * batch if media is None else media.material
-            inserted = _commit_or_drop(rt, out, cache, _Rows(matches, pads, width, gc, live, plans, capture, material))
+            inserted = _commit_or_drop(
+                rt,
+                out,
+                cache,
+                _Rows(matches, pads, width, gc, live, plans, capture, material, [len(x) for x in rows], hints),
+            )
         stats = tuple(
             RowStats(
                 len(row),
@@ -210,6 +216,8 @@ class _Rows:
     plans: list[HybridRow | None]
     capture: BoundaryCapture | None
     material: list[dict[int, bytes]]  # each row's key material (images), folded into what it commits
+    prompt_lens: list[int] = field(default_factory=list)  # each input row's prompt tokens (its padding not counted)
+    hints: Sequence[Sequence[int]] | None = None  # each input row's divergence hints (token positions)
 
 
 def _commit_or_drop(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list[int]:
@@ -353,10 +361,59 @@ def _commit_outputs(rt: ModelRuntime, out: Any, cache: Any, rows: _Rows) -> list
             inserted[r] += len(res.block_ids)
         if rt.tier is not None:  # also when nothing is new: the path's recency moves
             rt.tier.save_path(rt.kv_pool, committed, handle.namespace, [], res.first_block, res.block_ids)
+        if rt.cache.windows is not None and res.cached_blocks:
+            hints = () if rows.hints is None else rows.hints[r]
+            _keep_windows(rt, matches[r], res.cached_blocks, rows.prompt_lens[r], hints, cache, i, pads[r])
         plan = rows.plans[r]
         if rows.capture is not None and plan is not None:
             rows.capture.publish(i, res.cached_blocks * rt.block_size, list(plan.keys), committed, plan.namespace)
     return inserted
+
+
+def _cut(rt: ModelRuntime, m: MatchResult, blocks: int) -> MatchResult:
+    """``m`` served only its first ``blocks`` blocks, or fewer: as deep as the window group (if any) holds the window
+    of its end. Changes nothing (the request keeps its pins)."""
+    ids = m.block_ids[:blocks]
+    if rt.cache.windows is not None:
+        blocks = rt.cache.windows.served(ids, blocks)
+        ids = ids[:blocks]
+    return MatchResult(m.handle, blocks * rt.block_size, blocks, (np.asarray(ids, np.int64),))
+
+
+def _keep_windows(
+    rt: ModelRuntime,
+    m: MatchResult,
+    cached_blocks: int,
+    prompt_tokens: int,
+    hints: Sequence[int],
+    cache: Any,
+    row: int,
+    pad: int,
+) -> None:
+    """After a row committed ``cached_blocks`` blocks of its path: keep the window group's points where later matches
+    may end (``snapshot_points``: divergence, re-send, hints, and the request end) and write the window K/V of the
+    blocks that got a slot from ``cache`` (batch row ``row``, after ``pad``). Changes the window slots and pool."""
+    ws, bs = rt.cache.windows, rt.block_size
+    assert ws is not None
+    served = m.cached_blocks
+    path = rt.cache.path_blocks(m.handle)[:cached_blocks]
+    points = snapshot_points(
+        block_size=bs,
+        restored=served,
+        matched=m.handle.kv_blocks,
+        limit=prompt_tokens,
+        prompt_blocks=min(prompt_tokens // bs, cached_blocks),
+        hints=hints,
+    )
+    new: list[int] = []
+    for p in [*points, cached_blocks]:
+        new.extend(ws.keep_point(path, p, known_from=served) or ())
+    if not new:
+        return
+    where = {b: i for i, b in enumerate(path)}
+    for first, _at, count in runs(sorted(where[b] for b in new)):
+        kv = hf_cache.read_kv(cache, pad + first * bs, pad + (first + count) * bs, row=row)
+        rt.kv_pool.scatter_window(path[first : first + count], kv)
 
 
 def _mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -388,7 +445,7 @@ def score(
     try:
         safe = media.safe_blocks(0, m.cached_blocks, bs)
         if safe < m.cached_blocks:
-            m = MatchResult(m.handle, safe * bs, safe, (np.asarray(m.block_ids[:safe], np.int64),))
+            m = _cut(rt, m, safe)
         cached, width = m.cached_tokens, len(tokens)
         bufs = rt.kv_pool.buffers(1, width)
         _prepare_row(rt, bufs, 0, 0, tokens, m, cached, None)
@@ -410,6 +467,8 @@ def score(
                 if res.block_ids:
                     start, stop = res.first_block * bs, (res.first_block + len(res.block_ids)) * bs
                     rt.kv_pool.scatter(res.block_ids, hf_cache.read_kv(row_cache, start, stop))
+                if rt.cache.windows is not None and res.cached_blocks:
+                    _keep_windows(rt, m, res.cached_blocks, score_from, (), row_cache, 0, 0)
                 if rt.tier is not None:
                     rt.tier.save_path(
                         rt.kv_pool, keyed[:commit], m.handle.namespace, [], res.first_block, res.block_ids

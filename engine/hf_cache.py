@@ -10,6 +10,8 @@
   prefix at every forward).
 * ``read_kv(cache, start, stop, row)``: per-layer K/V of token positions ``start:stop`` after a generate call.
 * ``probe_specs(model)``: per-layer K/V shapes, found by a one-token forward.
+* ``window_group(model)``: the layers that read only the last tokens (sliding-window or chunked attention) and
+  their rule, or None: the pool keeps their K/V only where a match can still need it (``prefixcache.core.windows``).
 * ``cache_kwarg(model)``: the keyword ``generate`` takes a cache under (``cache`` in transformers >= 5.x
   where ``past_key_values`` is deprecated, else ``past_key_values``).
 """
@@ -31,6 +33,7 @@ from transformers.cache_utils import (
 )
 
 from engine.kv_pool import LayerKV, LayerSpec
+from prefixcache.core.windows import WindowRule
 
 try:  # shared-KV / attention-free placeholder layers (transformers >= 5.x)
     from transformers.cache_utils import DummyLayer
@@ -110,6 +113,40 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
             "cache layers, which prefixcache cannot snapshot"
         )
     return None
+
+
+WINDOW_KINDS = {"sliding_attention": "sliding", "chunked_attention": "chunked"}  # config.layer_types -> rule kind
+
+
+def window_group(model: PreTrainedModel) -> tuple[WindowRule, frozenset[int]] | None:
+    """The model's window group: the rule and the indices of its layers (the most common window, when a model has
+    several; other windowed layers stay full), or None when it has none. A layer counts only when the config's
+    ``layer_types`` and transformers' own cache layer (a ``DynamicSlidingWindowLayer`` of that window) agree.
+    Changes nothing."""
+    config = model.config.get_text_config(decoder=True)
+    kinds = list(getattr(config, "layer_types", None) or [])
+    try:
+        template = DynamicCache(config=config).layers
+    except Exception:  # pragma: no cover - unsupported_reason reports it
+        return None
+    if not kinds:  # transformers infers the types from the window fields: only when one of them is set
+        sliding, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+        if (sliding is None) == (chunk is None):
+            return None
+        kinds = ["sliding_attention" if sliding is not None else "chunked_attention"] * len(template)
+    found: dict[WindowRule, set[int]] = {}
+    for i, layer in enumerate(template):
+        kind = WINDOW_KINDS.get(kinds[i]) if i < len(kinds) else None
+        if kind is None or type(layer) is not DynamicSlidingWindowLayer:
+            continue
+        size = getattr(layer, "sliding_window", None)
+        if not isinstance(size, int) or size < 1:
+            continue
+        found.setdefault(WindowRule(kind, size), set()).add(i)
+    if not found:
+        return None
+    rule = max(found, key=lambda r: (len(found[r]), r.kind == "sliding", -r.tokens))
+    return rule, frozenset(found[rule])
 
 
 def _layers_template(model: PreTrainedModel) -> list[CacheLayer]:

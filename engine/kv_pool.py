@@ -6,6 +6,12 @@ a reusable buffer ``[1, heads, capacity, head_dim]`` -- what a ``DynamicCache`` 
 for the suffix and the generated tokens to be appended in place. (Measured: one 5-D tensor for all layers is
 slower -- index_select on an inner dim of a 5-D tensor and fresh 100+ MB results that page-fault.) K and V shapes may differ (e.g. latent attention); layers without KV (shared
 or attention-free layers) are ``None`` in the spec and get ``None`` back.
+
+Window layers (sliding-window or chunked attention, ``window_layers``) keep their K/V in ``window_slots`` slots
+of their own instead: block ``b``'s K/V of those layers lie in slot ``windows.table[b]``
+(``prefixcache.core.windows.WindowSlots``, attached with ``attach_windows``). Gathering a block without a slot
+reads zeros (a window layer never reads it: the cache serves only matches whose windows hold slots), scattering
+one writes nowhere (a scratch slot).
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine import memory
+from prefixcache.core.windows import WindowSlots
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -50,6 +58,8 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         check_memory: bool = True,
+        window_layers: frozenset[int] = frozenset(),
+        window_slots: int = 0,
     ) -> None:
         """Allocate (and touch: zeros, so the memory is committed now, not on the first scatter) the pool.
 
@@ -57,8 +67,16 @@ class KVPool:
         (``engine.memory.PoolTooLargeError``; a ``PoolSizeWarning`` when it takes more than half of it)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"KVPool needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        if bool(window_layers) != (window_slots > 0):
+            raise ValueError(f"KVPool: window layers {sorted(window_layers)} with {window_slots} window slots")
+        self.window_layers = frozenset(i for i in window_layers if specs[i] is not None)
+        self.window_slots = window_slots
+        self.windows: WindowSlots | None = None
         if check_memory:
-            memory.check_pool(bytes_per_token(specs, dtype), num_blocks * block_size, device)
+            full = bytes_per_token([s for i, s in enumerate(specs) if i not in self.window_layers], dtype)
+            win = bytes_per_token([s for i, s in enumerate(specs) if i in self.window_layers], dtype)
+            tokens = num_blocks * block_size
+            memory.check_pool(full + -(-win * window_slots // num_blocks), tokens, device)
         self.specs = list(specs)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -75,14 +93,40 @@ class KVPool:
                 self._layers.append(None)
                 continue
             (kh, kd), (vh, vd) = spec.k_shape, spec.v_shape
-            self._layers.append(  # one block more than the cache hands out: the scratch block (see scratch_block)
+            # one block more than the cache hands out: the scratch block (see scratch_block); window layers: their
+            # slots, a scratch slot and a zero slot (what a block without a slot reads)
+            n = self.window_slots + 2 if len(self._layers) in self.window_layers else num_blocks + 1
+            self._layers.append(
                 (
-                    torch.zeros((kh, num_blocks + 1, block_size * kd), dtype=dtype, device=self.device),
-                    torch.zeros((vh, num_blocks + 1, block_size * vd), dtype=dtype, device=self.device),
+                    torch.zeros((kh, n, block_size * kd), dtype=dtype, device=self.device),
+                    torch.zeros((vh, n, block_size * vd), dtype=dtype, device=self.device),
                 )
             )
         # reusable gather buffers [1, heads, capacity, dim] per layer and side, grown on demand; see gather()
         self._scratch: list[list[torch.Tensor | None]] = [[None, None] for _ in self.specs]
+
+    def attach_windows(self, windows: WindowSlots | None) -> None:
+        """Read and write the window layers through ``windows``' slots (the cache's window group)."""
+        if windows is not None and (windows.capacity != self.window_slots or windows.num_blocks != self.num_blocks):
+            raise ValueError(
+                f"attach_windows: {windows.capacity} slots for {windows.num_blocks} blocks, the pool has "
+                f"{self.window_slots} for {self.num_blocks}"
+            )
+        if windows is None and self.window_layers:
+            raise ValueError("attach_windows: a pool with window layers needs their slots")
+        self.windows = windows
+
+    def window_ids(self, block_ids: Sequence[int] | np.ndarray, *, write: bool) -> np.ndarray:
+        """The window-layer slots of ``block_ids`` (int64): those without a slot, and the scratch block, read the
+        zero slot, or (``write``) write the scratch slot. Changes nothing."""
+        ws = self.windows
+        assert ws is not None, "a pool with window layers read before its slots were attached"
+        ids = np.asarray(block_ids, dtype=np.int64)
+        out = np.full(ids.shape, self.window_slots + (0 if write else 1), dtype=np.int64)
+        inside = ids < self.num_blocks
+        got = ws.table[ids[inside]]
+        out[inside] = np.where(got < 0, out[inside], got)
+        return out
 
     @property
     def num_layers(self) -> int:
@@ -102,8 +146,12 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes the pool's ``num_blocks`` blocks hold (the scratch block and gather buffers not counted)."""
-        per_block = sum(t[:, 0].numel() * t.element_size() for pair in self._layers if pair is not None for t in pair)
-        return per_block * self.num_blocks
+        total = 0
+        for i, pair in enumerate(self._layers):
+            if pair is not None:
+                n = self.window_slots if i in self.window_layers else self.num_blocks
+                total += sum(t[:, 0].numel() * t.element_size() for t in pair) * n
+        return total
 
     def gather(self, block_ids: Sequence[int], reserve: int = 0) -> list[LayerKV | None]:
         """K, V of ``block_ids`` in order, per layer, each ``[1, heads, len(block_ids) * block_size, dim]``.
@@ -162,34 +210,45 @@ class KVPool:
             return
         with _plain_tensors():
             idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+            widx = idx
+            if self.window_layers:
+                widx = torch.as_tensor(self.window_ids(block_ids, write=False), device=self.device)
             for layer, pair in enumerate(self._layers):
                 target = dst[layer]
                 if pair is None or target is None:
                     continue
+                use = widx if layer in self.window_layers else idx
                 for src, out in zip(pair, target):
                     heads, _, width = src.shape
                     # [heads, n * bs, dim] with contiguous (token, dim) is also [heads, n, bs * dim]
-                    torch.index_select(src, 1, idx, out=out.view(heads, n, width))
+                    torch.index_select(src, 1, use, out=out.view(heads, n, width))
 
     def scatter(self, block_ids: Sequence[int], kv: Sequence[LayerKV | None]) -> None:
         """Write per-layer K, V (``[1, heads, len(block_ids) * block_size, dim]``) into ``block_ids``.
 
-        Changes the pool: overwrites those blocks in every layer.
+        Changes the pool: overwrites those blocks in every layer (window layers: in the blocks' slots).
         """
         with _plain_tensors():
             self._scatter(block_ids, kv)
 
-    def _scatter(self, block_ids: Sequence[int], kv: Sequence[LayerKV | None]) -> None:
+    def scatter_window(self, block_ids: Sequence[int], kv: Sequence[LayerKV | None]) -> None:
+        """``scatter`` into the window layers only (blocks that got a window slot after their K/V was cached)."""
+        with _plain_tensors():
+            self._scatter(block_ids, kv, only_windows=True)
+
+    def _scatter(self, block_ids: Sequence[int], kv: Sequence[LayerKV | None], only_windows: bool = False) -> None:
         n = len(block_ids)
         if n == 0:
             return
         if len(kv) != len(self.specs):
             raise ValueError(f"scatter got KV for {len(kv)} layers, the pool has {len(self.specs)}")
-        runs = _runs(block_ids)
+        full_runs = runs(block_ids)
+        window_runs = runs(self.window_ids(block_ids, write=True).tolist()) if self.window_layers else full_runs
         t = n * self.block_size
         for layer, pair in enumerate(self._layers):
-            if pair is None:
+            if pair is None or (only_windows and layer not in self.window_layers):
                 continue
+            layer_runs = window_runs if layer in self.window_layers else full_runs
             layer_kv = kv[layer]
             if layer_kv is None:
                 raise ValueError(f"scatter: layer {layer} has no KV but the pool stores it")
@@ -202,7 +261,7 @@ class KVPool:
                         f"scatter: layer {layer} {'KV'[side]} has shape {tuple(src.shape)}, expected {(1, heads, t, dim)}"
                     )
                 src = src[0].to(dtype=self.dtype, device=self.device)
-                for first, start, count in runs:  # one copy per run of consecutive block ids
+                for first, start, count in layer_runs:  # one copy per run of consecutive block ids
                     part = src[:, start * self.block_size : (start + count) * self.block_size]
                     dst[:, first : first + count].copy_(part.reshape(heads, count, width))
 
@@ -212,7 +271,7 @@ def _plain_tensors() -> torch.inference_mode:
     return torch.inference_mode(False)
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split block ids into runs of consecutive ids: (first id, position in block_ids, length)."""
     runs: list[tuple[int, int, int]] = []
     for pos, b in enumerate(block_ids):

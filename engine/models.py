@@ -2,6 +2,7 @@
 
 Presets are models with seeded random weights and a byte-level tokenizer: 256 byte tokens plus special tokens
 (``<|bos|>``, ``<|eos|>``, ``<|pad|>``, role markers) and a chat template. ``tiny`` and ``small`` are Llama-style;
+``small-swa`` is Gemma-3-shaped (five sliding-window layers of 512 tokens per full-attention one);
 ``tiny-hybrid`` and ``small-hybrid`` have Qwen3.5's hybrid layer pattern (three gated-delta-net linear-attention
 layers to one full-attention layer); ``tiny-vlm`` and ``small-vlm`` are Qwen2.5-VL-shaped image-text models (a
 windowed ViT, 2x2 patch merge, M-RoPE) with the family's image processor configured here (``image_processor``)
@@ -66,6 +67,7 @@ class Preset:
     linear: tuple[int, int, int] | None = None
     vision: tuple[int, int, int] | None = None  # qwen2_5_vl: the ViT's depth, hidden size and heads
     max_image_tokens: int = 0  # qwen2_5_vl: the image processor's bound on one image's placeholder tokens
+    sliding_window: int = 0  # gemma3: the window of its sliding layers (five per full-attention layer)
 
 
 PRESETS: dict[str, Preset] = {
@@ -120,6 +122,17 @@ PRESETS: dict[str, Preset] = {
         family="qwen2_5_vl",
         vision=(4, 256, 4),
         max_image_tokens=1280,
+    ),
+    "small-swa": Preset(  # Gemma-3-shaped: 5 sliding-window layers (512 tokens) per full one
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2560,
+        max_position_embeddings=16384,
+        family="gemma3",
+        head_dim=64,
+        sliding_window=512,
     ),
     "small-hybrid": Preset(  # 99.2M parameters; one recurrent-state snapshot: 1.9 MiB (the KV of 324 tokens)
         hidden_size=768,
@@ -186,7 +199,7 @@ def build_preset(
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     p = PRESETS[name]
     tokenizer = byte_tokenizer(vision=p.vision is not None)
-    shape_only = ("family", "head_dim", "linear", "vision", "max_image_tokens")
+    shape_only = ("family", "head_dim", "linear", "vision", "max_image_tokens", "sliding_window")
     common = {k: v for k, v in asdict(p).items() if k not in shape_only}
     special = {
         "bos_token_id": tokenizer.bos_token_id,
@@ -213,6 +226,21 @@ def build_preset(
         factory: Any = Qwen3_5ForCausalLM
     elif p.family == "qwen2_5_vl":
         config, factory = _vlm_config(p, common, special, tokenizer)
+    elif p.family == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        head_dim = p.head_dim or common["hidden_size"] // common["num_attention_heads"]
+        config = Gemma3TextConfig(
+            **common,
+            **special,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=p.sliding_window,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(p.num_hidden_layers)
+            ],
+        )
+        factory = Gemma3ForCausalLM
     else:
         config = LlamaConfig(**common, **special)
         factory = LlamaForCausalLM

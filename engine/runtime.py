@@ -51,6 +51,7 @@ from engine.weights import WeightsSnapshot, describe_change
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.core.checks import check_int
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.windows import WindowRule, WindowSlots
 from prefixcache.sim.causes import LiveCauses
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_CACHED_TOKENS = 32_768
 HISTORY_FACTOR = 4  # the miss-cause history remembers this many pools' worth of committed tokens
+DEFAULT_WINDOW_SHARE = 0.25  # window-layer slots per full-layer block of a window-group pool
 FAST_LINEAR_MAX_BYTES = 4 << 30  # prepacked oneDNN linears by default when their copy of the weights fits this
 
 
@@ -74,7 +76,9 @@ class RuntimeConfig:
     snapshots are kept (None: 64) beside a live state per running engine request; ``snapshot_interval``: also keep
     one every so many blocks of a prompt (0: only where the policy says). Images (docs/multimodal.md): the vision
     tower's output of each image is kept by content id up to ``max_encoder_cache_bytes`` (default 256 MiB; 0:
-    none)."""
+    none). Sliding-window and chunked-attention layers (docs/sliding.md): with ``sliding_windows`` their K/V is
+    kept only within the window of a point a match can end at, in ``window_share`` slots per block of the full
+    layers (the same bytes then hold more cached tokens); off by default while the engine cannot read them."""
 
     max_cached_tokens: int | None = None
     max_cached_bytes: int | None = None
@@ -92,6 +96,8 @@ class RuntimeConfig:
     max_cached_states: int | None = None
     snapshot_interval: int = 0
     max_encoder_cache_bytes: int = DEFAULT_MAX_ENCODER_CACHE_BYTES
+    sliding_windows: bool = False
+    window_share: float = DEFAULT_WINDOW_SHARE
 
     def __post_init__(self) -> None:
         if self.max_cached_tokens is not None and self.max_cached_bytes is not None:
@@ -113,6 +119,11 @@ class RuntimeConfig:
         object.__setattr__(self, "snapshot_interval", interval)
         enc = check_int(self.max_encoder_cache_bytes, "PrefixCachedModel: max_encoder_cache_bytes", minimum=0)
         object.__setattr__(self, "max_encoder_cache_bytes", enc)
+        if not isinstance(self.sliding_windows, bool):
+            raise TypeError(f"PrefixCachedModel: sliding_windows must be a bool, got {self.sliding_windows!r}")
+        share = self.window_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"PrefixCachedModel: window_share must be a number in (0, 1], got {share!r}")
 
     def history_bound(self, pool_tokens: int) -> int | None:
         """The miss-cause history's bound in tokens (None: unbounded)."""
@@ -152,6 +163,8 @@ class ModelRuntime:
         self.tier: KVTier | None = None
         self._state_tier: KVTier | None = None  # a hybrid model's snapshot entries, on the tier's store
         self.hybrid: HybridStates | None = None
+        self.window: tuple[WindowRule, frozenset[int]] | None = None  # the window group (rule, layers), or None
+        self.window_slots = 0  # its slots in the pool
         self.pool: KVPool | None = None
         self.specs: list[LayerSpec | None] = []
         self._engine: Engine | None = None
@@ -185,6 +198,9 @@ class ModelRuntime:
         except LoadCheckError as exc:
             self._uncached_at_load(str(exc))
             return
+        self.window = None if self.hybrid is not None or not config.sliding_windows else hf_cache.window_group(model)
+        if self.window is not None and (config.disk_cache or config.shared_cache or config.max_disk_bytes):
+            self.window = None  # the tier's entries hold whole blocks: windows stay whole there (docs/sliding.md)
         num_blocks = self._num_blocks()
         self.cache = PrefixCache(
             CacheConfig(
@@ -341,29 +357,47 @@ class ModelRuntime:
             self._state_tier.rebind(state_binding(self.binding(), self.hybrid.spec))
 
     def _num_blocks(self) -> int:
+        """The pool's blocks from the config's size (and, with a window group, ``window_slots``: the same bytes hold
+        ``N`` blocks of the full layers and ``window_share * N`` slots of the window layers)."""
         cfg = self.config
-        per_block = bytes_per_token(self.specs, self.model.dtype) * self.block_size
+        dtype = self.model.dtype
+        per_block = bytes_per_token(self.specs, dtype) * self.block_size
         if cfg.max_cached_bytes is not None:
-            num_blocks = cfg.max_cached_bytes // per_block
+            budget = cfg.max_cached_bytes
             what = f"max_cached_bytes={cfg.max_cached_bytes} ({per_block} bytes per block)"
         else:
             tokens = DEFAULT_MAX_CACHED_TOKENS if cfg.max_cached_tokens is None else cfg.max_cached_tokens
-            num_blocks = tokens // self.block_size
+            budget = tokens // self.block_size * per_block
             what = f"max_cached_tokens={tokens} (block_size={self.block_size})"
+        num_blocks = budget // per_block
+        if self.window is not None and num_blocks >= 1:
+            layers = self.window[1]
+            full = bytes_per_token([s for i, s in enumerate(self.specs) if i not in layers], dtype) * self.block_size
+            win = per_block - full
+            num_blocks = max(1, int(budget // (full + cfg.window_share * win)))
+            self.window_slots = max(1, int(num_blocks * cfg.window_share))
         if num_blocks < 1:
             raise ValueError(f"{what} holds no block; raise it")
         return num_blocks
 
     def _new_pool(self, num_blocks: int) -> KVPool:
         model = self.model
-        return KVPool(
+        layers = frozenset() if self.window is None else self.window[1]
+        pool = KVPool(
             self.specs,
             num_blocks,
             self.block_size,
             dtype=model.dtype,
             device=model.device,
             check_memory=self.config.check_memory,
+            window_layers=layers,
+            window_slots=self.window_slots if layers else 0,
         )
+        if self.window is not None:
+            if self.cache.windows is None:
+                self.cache.attach_windows(WindowSlots(self.window[0], self.block_size, self.window_slots, num_blocks))
+            pool.attach_windows(self.cache.windows)
+        return pool
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
@@ -502,6 +536,11 @@ class ModelRuntime:
         """Why the model cannot run on the paged engine exactly (a probe forward compared with its own), or None."""
         if self.pool is None:
             return f"model not cacheable: {self.unsupported_reason}"
+        if self.pool.window_layers:
+            return (
+                "sliding_windows=True: the paged engine does not read window slots yet (docs/sliding.md); "
+                "calls run on the contiguous path"
+            )
         reason = paged_unsupported_reason(self.model, self.pool)
         if reason is None:
             hy = self.hybrid

@@ -36,7 +36,14 @@ from engine.media.encoder_cache import DEFAULT_MAX_ENCODER_CACHE_BYTES
 from engine.media.inputs import ends_in_image, prepare
 from engine.media.requests import media_prompt
 from engine.models import context_length
-from engine.runtime import DEFAULT_MAX_CACHED_TOKENS, HISTORY_FACTOR, ModelRuntime, RuntimeConfig, eos_ids
+from engine.runtime import (
+    DEFAULT_MAX_CACHED_TOKENS,
+    DEFAULT_WINDOW_SHARE,
+    HISTORY_FACTOR,
+    ModelRuntime,
+    RuntimeConfig,
+    eos_ids,
+)
 from engine.tier import KVTier
 from prefixcache import PrefixCache
 from prefixcache.core.checks import check_int
@@ -85,6 +92,12 @@ class PrefixCachedModel:
     processor gives (``pixel_values``, ``image_grid_thw``, ...); each image's content is in the keys of the blocks
     its placeholders fall in, so another image behind the same placeholder ids never hits, and the vision tower's
     output is kept by content id up to ``max_encoder_cache_bytes``. Other families run such calls uncached.
+
+    Sliding-window and chunked-attention layers (docs/sliding.md): ``sliding_windows=True`` keeps their K/V only
+    within the window of the points a match can end at, in ``window_share`` slots per cached block, so the same
+    memory holds several times the cached prefix on Gemma-, gpt-oss- or Olmo-shaped models; a match is
+    served only as deep as every group is complete. Off by default while the paged engine cannot read the slots
+    (with it on, ``generate_batch`` and ``score`` run on the contiguous path).
     """
 
     def __init__(
@@ -109,6 +122,8 @@ class PrefixCachedModel:
         max_cached_states: int | None = None,
         snapshot_interval: int = 0,
         max_encoder_cache_bytes: int = DEFAULT_MAX_ENCODER_CACHE_BYTES,
+        sliding_windows: bool = False,
+        window_share: float = DEFAULT_WINDOW_SHARE,
     ) -> None:
         config = RuntimeConfig(
             max_cached_tokens=max_cached_tokens,
@@ -127,6 +142,8 @@ class PrefixCachedModel:
             max_cached_states=max_cached_states,
             snapshot_interval=snapshot_interval,
             max_encoder_cache_bytes=max_encoder_cache_bytes,
+            sliding_windows=sliding_windows,
+            window_share=window_share,
         )
         self._init(ModelRuntime(model, config, on_unsupported=on_unsupported, hasher=hasher))
 

@@ -30,7 +30,8 @@ def weights_digest(model: torch.nn.Module) -> str:
             n = t.numel()
             if n:
                 flat = t.detach().reshape(-1)
-                idx = torch.linspace(0, n - 1, min(n, WEIGHT_SAMPLES), device=flat.device).long()
+                k = min(n, WEIGHT_SAMPLES)  # integer steps: a float32 linspace rounds past n - 1 on large tensors
+                idx = torch.arange(k, device=flat.device) * (n - 1) // max(1, k - 1)
                 h.update(flat[idx].float().cpu().numpy().tobytes())
     return h.hexdigest()
 

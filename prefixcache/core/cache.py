@@ -42,6 +42,7 @@ from prefixcache.core.hashing import (
 )
 from prefixcache.core.radix_tree import Node, RadixTree, Root, Walk
 from prefixcache.core.stats import CacheStats
+from prefixcache.core.windows import WindowSlots
 
 
 @dataclass(eq=False)
@@ -61,6 +62,7 @@ class RequestHandle:
     # blocks this request took with ``allocate`` and has not yet cached with ``commit_blocks`` (in flight:
     # neither free nor in the tree); ``release`` frees them. None until the first ``allocate``.
     owned: set[int] | None = field(default=None, repr=False)
+    kv_blocks: int = field(default=0, repr=False)  # blocks the match found before a window group cut it
 
 
 def _ids_tuple(runs: tuple[BlockIds, ...]) -> tuple[int, ...]:
@@ -165,6 +167,7 @@ class PrefixCache:
         self._hasher: BlockHasher = hasher or xxh3_hasher(config.hash_seed)
         self._policy_factory = POLICIES[config.eviction]
         self._subscribers = Subscribers()
+        self.windows: WindowSlots | None = None  # a window group's slots (``attach_windows``)
         self.reset()
 
     # ---- state ---------------------------------------------------------------------------------------
@@ -184,6 +187,8 @@ class PrefixCache:
             self._hash_keys,
         )
         self.allocator = BlockAllocator(c.num_blocks)
+        if self.windows is not None:
+            self.windows.reset()
         self.policy: EvictionPolicy = self._policy_factory(self.clock)
         if not keep_stats or not hasattr(self, "stats"):
             self.stats = CacheStats()
@@ -192,6 +197,25 @@ class PrefixCache:
         self._clock = 0
         if self._subscribers:
             self._subscribers.emit([CacheCleared()])
+
+    def attach_windows(self, windows: WindowSlots | None) -> None:
+        """Serve every match only as deep as ``windows`` (a window group: ``prefixcache.core.windows``) holds the
+        window of its end, hold that window for the request while it lives, and take slots away from blocks
+        this cache frees. Call on an empty cache. None detaches."""
+        if windows is not None:
+            if windows.num_blocks != self.config.num_blocks or windows.block_size != self.block_size:
+                raise ValueError(
+                    f"attach_windows: slots for {windows.num_blocks} blocks of {windows.block_size} tokens, the cache "
+                    f"has {self.config.num_blocks} of {self.block_size}"
+                )
+            windows.reset()
+        self.windows = windows
+
+    def _free(self, ids: BlockIds) -> None:
+        """Give ``ids`` back to the allocator (and take their window slots)."""
+        if self.windows is not None:
+            self.windows.forget(ids_list(ids))
+        self.allocator.free(ids)
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener(event)`` for every later ``BlocksStored`` / ``BlocksRemoved`` / ``CacheCleared``
@@ -313,6 +337,9 @@ class PrefixCache:
             return 0
         n = len(data) // TOKEN_DTYPE.itemsize
         path = self.tree.walk_tokens(self.tree.roots.get(("tokens", namespace)), data, (n - 1) // self.block_size)
+        if self.windows is not None and path.blocks:
+            served = self.windows.served(self._path_ids(path.node)[: path.blocks], path.blocks)
+            return served * self.block_size
         return path.blocks * self.block_size
 
     def divergence(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE, *, context: int = 16) -> Divergence:
@@ -326,7 +353,10 @@ class PrefixCache:
         root = self.tree.roots.get(("tokens", namespace))
         served = 0
         if n:
-            served = self.tree.walk_tokens(root, data, (n - 1) // self.block_size).blocks
+            walk = self.tree.walk_tokens(root, data, (n - 1) // self.block_size)
+            served = walk.blocks
+            if self.windows is not None and served:
+                served = self.windows.served(self._path_ids(walk.node)[:served], served)
         common, following = self.tree.nearest(root, data, context)
         nxt = tuple(np.frombuffer(following, TOKEN_DTYPE).tolist())
         return Divergence(served * self.block_size, common // TOKEN_DTYPE.itemsize, nxt)
@@ -365,6 +395,8 @@ class PrefixCache:
         runs.reverse()
         if hit < limit or limit == full:  # the walk stopped where a walk of all ``full`` blocks stops too
             handle.walked, handle.matched_blocks = self.tree.generation, hit
+        if self.windows is not None and hit:
+            runs, hit = self._window_cut(handle, runs, hit)
         cached_tokens = min(hit * self.block_size, n)
         s = self.stats
         s.lookups += 1
@@ -374,6 +406,21 @@ class PrefixCache:
         s.hit_blocks += hit
         s.lookups_with_hit += hit > 0
         return handle, runs, hit, cached_tokens
+
+    def _window_cut(self, handle: RequestHandle, runs: list[BlockIds], hit: int) -> tuple[list[BlockIds], int]:
+        """The matched path cut to the deepest point whose window the window group holds; the request holds
+        that window until it is released, and the point is refreshed."""
+        ws = self.windows
+        assert ws is not None
+        path = np.concatenate([ids_array(r) for r in runs]) if len(runs) > 1 else ids_array(runs[0])
+        handle.kv_blocks = hit
+        p = ws.served(path, hit)
+        if p:
+            ws.hold(("request", handle.id), path[ws.first_block(p) : p])
+            ws.touch_point(path, p)
+        if p == hit:
+            return runs, hit
+        return ([path[:p]] if p else []), p
 
     def _split_last(self, path: Walk) -> Node | None:
         """The terminal of a walked path: its last node, split where the match ends inside it."""
@@ -524,8 +571,13 @@ class PrefixCache:
         owned.difference_update(own[:adopted])
         if dups:
             owned.difference_update(dups)
-            self.allocator.free(np.asarray(dups, dtype=np.int64))
+            self._free(np.asarray(dups, dtype=np.int64))
         return BlockCommit((*tree_ids, *own[:adopted]), adopted, len(dups), len(own) - adopted)
+
+    def path_blocks(self, handle: RequestHandle) -> list[int]:
+        """The block ids of the path ``handle`` pins (its match, or after a commit its whole cached path)."""
+        self._check_live(handle)
+        return self._path_ids(handle.terminal)
 
     @staticmethod
     def _path_blocks(terminal: Node | None) -> int:
@@ -692,12 +744,14 @@ class PrefixCache:
         self._release(handle)
 
     def _release(self, handle: RequestHandle) -> None:
+        if self.windows is not None:
+            self.windows.drop(("request", handle.id))
         self._unpin_path(handle.terminal)
         handle.released = True
         del self._live[handle.id]
         if handle.owned:
             owned, handle.owned = handle.owned, None
-            self.allocator.free(np.fromiter(owned, dtype=np.int64, count=len(owned)))
+            self._free(np.fromiter(owned, dtype=np.int64, count=len(owned)))
 
     @contextmanager
     def lookup(self, tokens: Any, namespace: str = DEFAULT_NAMESPACE) -> Iterator[MatchResult]:
@@ -750,7 +804,7 @@ class PrefixCache:
         first) in one step; a leaf that empties is unhooked (its parent may become a victim, an empty root
         is dropped). Returns the number freed."""
         freed = 0
-        policy, tree, allocator = self.policy, self.tree, self.allocator
+        policy, tree = self.policy, self.tree
         while freed < n:
             victim = policy.peek()
             if victim is None:
@@ -760,7 +814,7 @@ class PrefixCache:
             k = min(n - freed, nb)
             if events is not None:
                 events.append(self._removed_event(victim, nb - k))
-            allocator.free(tree.drop_tail(victim, k))
+            self._free(tree.drop_tail(victim, k))
             freed += k
             if k == nb:
                 policy.remove(victim)
@@ -866,6 +920,8 @@ class PrefixCache:
         if len(flying) and np.isin(flying, cached).any():
             raise AssertionError(f"block {int(flying[np.isin(flying, cached)][0])} is both cached and in flight")
         self.allocator.check_integrity(np.concatenate((cached, flying)), single_owner=True)
+        if self.windows is not None:
+            self.windows.check_integrity(np.concatenate((cached, flying)))
         in_policy = {n.id for n in self.policy}
         if in_policy != evictable or len(self.policy) != len(evictable):
             raise AssertionError(f"evictable set {sorted(in_policy)} != unpinned leaves {sorted(evictable)}")

@@ -155,6 +155,8 @@ PRESETS: dict[str, KVShape] = {
     "small-hybrid": _hybrid_preset("small-hybrid", preset_layers(12, 6, 12, 64), kv_heads=4, head_dim=64),
     "tiny-vlm": KVShape("tiny-vlm", layers=2, kv_heads=2, head_dim=16, dtype="float32"),
     "small-vlm": KVShape("small-vlm", layers=12, kv_heads=4, head_dim=64, dtype="float32"),
+    # Gemma-3-shaped, 10 of its 12 layers sliding (window 512): the engine keeps their K/V whole by default
+    "small-swa": KVShape("small-swa", layers=12, kv_heads=4, head_dim=64, dtype="float32"),
 }
 
 

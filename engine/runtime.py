@@ -536,11 +536,6 @@ class ModelRuntime:
         """Why the model cannot run on the paged engine exactly (a probe forward compared with its own), or None."""
         if self.pool is None:
             return f"model not cacheable: {self.unsupported_reason}"
-        if self.pool.window_layers:
-            return (
-                "sliding_windows=True: the paged engine does not read window slots yet (docs/sliding.md); "
-                "calls run on the contiguous path"
-            )
         reason = paged_unsupported_reason(self.model, self.pool)
         if reason is None:
             hy = self.hybrid
@@ -548,7 +543,14 @@ class ModelRuntime:
             try:
                 with self.cache.borrowed_blocks(min(4, self.cache.num_blocks)) as blocks:
                     states = None if hy is None else hy.pool
-                    diff = probe_difference(self.model, self.pool, blocks, states=states, slot=slot or 0)
+                    ws = self.cache.windows
+                    if ws is not None:  # the probe writes its window layers too
+                        ws.give(("probe",), blocks)
+                    try:
+                        diff = probe_difference(self.model, self.pool, blocks, states=states, slot=slot or 0)
+                    finally:
+                        if ws is not None:
+                            ws.drop(("probe",))
             except Exception as exc:  # a paged forward that raises on this install: not used, with what it raised
                 return f"its paged probe forward raised {type(exc).__name__}: {exc} ({label()})"
             finally:

@@ -199,26 +199,76 @@ def test_bad_window_settings_are_refused() -> None:
         PrefixCachedModel(model, sliding_windows="yes")  # type: ignore[arg-type]
 
 
-def test_score_and_generate_batch_with_windows_equal_the_bare_model() -> None:
-    """The paged engine does not read window slots: these run on the contiguous path (generate_batch) or uncached
-    (score), and still give the bare model's results."""
-    model = tiny("gemma3")
+def _bare_greedy(model, prompt: list[int], new: int) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "olmo3", "cohere2", "gemma4"])
+def test_the_engine_reads_window_slots_exactly(family: str) -> None:
+    """generate_batch and score run on the paged engine, whose rows hold window slots only within their windows:
+    greedy tokens and log-likelihoods equal the bare model's, hits included."""
+    model = tiny(family)
     pcm = wrap(model, max_cached_tokens=512)
-    assert pcm.runtime.engine() is None and "window slots" in (pcm.engine_unsupported_reason or "")
+    assert pcm.runtime.engine() is not None, pcm.engine_unsupported_reason
     gen = torch.Generator().manual_seed(5)
-    ctx, cont = rand_tokens(gen, 30), rand_tokens(gen, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    base = rand_tokens(gen, 30)
+    prompts = [
+        base + rand_tokens(gen, 5),
+        base[:17] + rand_tokens(gen, 9),
+        base + rand_tokens(gen, 5),
+        rand_tokens(gen, 40),
+    ]
+    cached = []
+    for _ in range(2):
+        outs = pcm.generate_batch(prompts, max_new_tokens=6, do_sample=False)
+        for prompt, out in zip(prompts, outs.values()):
+            assert out.generated_tokens == _bare_greedy(model, prompt, 6)
+        cached.append([o.cached_tokens for o in outs.values()])
+    assert sum(cached[1]) > sum(cached[0])  # the second round is served the first's points
+    ctx, cont = base + rand_tokens(gen, 3), rand_tokens(gen, 4)
+    for _ in range(2):
         (got,) = pcm.score([(ctx, cont)])
-    with torch.no_grad():
-        logits = model(torch.tensor([ctx + cont])).logits[0].float()
-    logp = torch.log_softmax(logits, -1)
-    want = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
-    assert abs(got.logprob - want) < 1e-4
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        outs = pcm.generate_batch([ctx, ctx[:20] + cont], max_new_tokens=3, do_sample=False)
-    for prompt, out in zip([ctx, ctx[:20] + cont], outs.values()):
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt) :].tolist()
-        assert out.generated_tokens == ref
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0].float(), -1)
+        want = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+        assert abs(got.logprob - want) < 1e-4
+    assert got.cached_tokens > 0
     pcm.cache.check_integrity()
+    ws = pcm.cache.windows
+    assert pcm.cache.num_pinned_blocks == 0
+    assert all(k[0] == "point" for b in range(ws.num_blocks) for k in ws._holders.get(b, ()))  # no request holds
+
+
+def test_the_engine_under_pressure_preempts_and_replaces_duplicates_exactly() -> None:
+    """A pool short of blocks and window slots, identical prompts prefilled side by side (their blocks become
+    duplicates whose window slots move to the tree's), preemption: every reply equals the bare model's and the
+    cache ends consistent with only points holding slots."""
+    from engine.batching.scheduler import SchedulerConfig
+
+    model = tiny("gemma3")
+    pcm = wrap(
+        model,
+        max_cached_tokens=48,
+        window_share=0.5,
+        engine_config=SchedulerConfig(max_step_tokens=24, max_chunk_tokens=8, share_wait=False),
+    )
+    gen = torch.Generator().manual_seed(6)
+    stem = rand_tokens(gen, 20)
+    prompts = [stem + rand_tokens(gen, 4), stem + rand_tokens(gen, 4), list(stem), list(stem), rand_tokens(gen, 30)]
+    for _ in range(3):
+        outs = pcm.generate_batch(prompts, max_new_tokens=5, do_sample=False)
+        for prompt, out in zip(prompts, outs.values()):
+            assert out.finish_reason == "length" and out.generated_tokens == _bare_greedy(model, prompt, 5)
+        pcm.cache.check_integrity()
+    assert pcm.cache.num_pinned_blocks == 0 and pcm.cache.num_owned_blocks == 0
+    ws = pcm.cache.windows
+    assert pcm.cache.stats.blocks_evicted > 0 and ws.stats.points_evicted > 0 and ws.stats.cut_matches > 0
+    assert all(k[0] == "point" for b in range(ws.num_blocks) for k in ws._holders.get(b, ()))
+
+
+def test_chunked_models_stay_off_the_paged_engine() -> None:
+    """The paged attention builds no chunk masks: Llama 4 runs the contiguous path (exact there), not the engine."""
+    pcm = wrap(tiny("llama4"))
+    assert pcm.runtime.engine() is None and "chunked" in (pcm.engine_unsupported_reason or "")
+    plain = PrefixCachedModel(tiny("llama4"), block_size=BS)
+    assert plain.runtime.engine() is None and "chunked" in (plain.engine_unsupported_reason or "")

@@ -117,8 +117,8 @@ class Engine:
             )
         if req.params is not None:
             req.generator = req.params.generator(self.pool.device)
-        if self.hybrid is not None:  # prompt log-probs come from a recomputation (no state at arbitrary positions)
-            req.use_logprob_store = False
+        if self.hybrid is not None or self.cache.windows is not None:
+            req.use_logprob_store = False  # prompt log-probs come from a recomputation (no state or window there)
         with self._incoming_lock:
             self._incoming.append(req)
         self.wakeup.set()
@@ -258,8 +258,10 @@ class Engine:
             if req.status is Status.FINISHED:
                 continue
             try:
+                before = req.committed
                 self._cache_blocks(req)
                 self._keep_state(req)
+                self._keep_windows(req, before)
                 reason = self._done(req)
             except Exception as exc:
                 self._fail(req, exc)
@@ -400,6 +402,22 @@ class Engine:
             hy.drop(keys[prev - 1])
         req.state_latest = b
 
+    def _keep_windows(self, req: Request, before: int, *, end: bool = False) -> None:
+        """With a window group: keep the points ``req`` planned that its cached blocks passed this step (``before``:
+        its cached blocks before it; ``end``: also its request-end point), while it still holds their windows; then
+        let go of the window slots of blocks that fell out of its window."""
+        ws = self.cache.windows
+        if ws is None or req.handle is None or req.handle.released:
+            return
+        points = [p for p in req.state_points if before < p <= req.committed]
+        if end and req.committed:
+            points.append(req.committed)
+        for p in points:
+            ws.keep_point(req.table, p, known_from=p)  # every window block is the request's: no new K/V
+        gone = ws.first_block(req.computed // self.cache.block_size)
+        if gone:
+            ws.let_go(("request", req.handle.id), req.table[:gone])
+
     def _release_state(self, req: Request) -> None:
         """Give back a hybrid request's live state slot (it ended, or was preempted: it restores on resume)."""
         if self.hybrid is not None and req.state_slot is not None:
@@ -424,7 +442,9 @@ class Engine:
         """The scheduler's preemption: cache the computed full blocks (if that fails, they are recomputed on
         resume), release, back to waiting."""
         try:
+            before = req.committed
             self._cache_blocks(req)
+            self._keep_windows(req, before, end=True)  # so that it resumes from where it stopped
         except Exception as exc:
             log.warning("prefixcache engine: caching preempted request %s's blocks failed: %r", req.id, exc)
         if req.handle is not None and not req.handle.released:
@@ -446,7 +466,9 @@ class Engine:
             if req.use_logprob_store and reason != "error" and len(req.logprobs) >= req.score_end - req.score_from:
                 self.logprob_store.put(req.prompt, req.namespace, [0.0, *req.logprobs], [{}, *req.top])
             if req.handle is not None and not req.handle.released and reason != "error":
+                before = req.committed
                 self._cache_blocks(req)
+                self._keep_windows(req, before, end=True)
         except Exception as exc:
             self.stats.faults += 1
             reason, error = "error", exc

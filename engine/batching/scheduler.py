@@ -12,7 +12,9 @@ Blocks: each scheduled request gets the pool blocks its tokens need this step (`
 evicts unpinned cached blocks). When the pool runs short for a running request, the most recently admitted
 running request is preempted: its computed full blocks are cached (and so survive unless evicted), its own blocks
 freed, and it goes back to the front of the queue; resumed, it matches its blocks again and computes only what
-was evicted. A waiting request never preempts a running one.
+was evicted. A waiting request never preempts a running one. With a window group (``prefixcache.core.windows``) a
+request also holds window slots for the blocks its window reads this step (taken with its blocks, short slots
+preempting the same way); the engine lets go of those that fall out of its window.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from engine.batching.request import Request, Status
 from engine.hybrid.store import HybridStates
 from prefixcache.core.cache import OutOfBlocks, PrefixCache, RequestHandle
+from prefixcache.core.snapshots import snapshot_points
+from prefixcache.core.windows import OutOfWindowSlots
 
 
 @dataclass(frozen=True)
@@ -113,14 +117,17 @@ class Scheduler:
         """Give a running request the blocks for ``n`` more tokens, preempting newer running requests (or, last,
         itself) when the pool is short. False when ``req`` itself was preempted or failed."""
         need = self._blocks_needed(req, n)
-        if need <= 0:
+        if need <= 0 and self.cache.windows is None:
             return True
         assert req.handle is not None
         while True:
             try:
-                req.table.extend(self.cache.allocate(req.handle, need))
+                if need > 0:
+                    req.table.extend(self.cache.allocate(req.handle, need))
+                    need = 0
+                self._window(req, n)
                 return True
-            except OutOfBlocks:
+            except (OutOfBlocks, OutOfWindowSlots):
                 victim = self._newest_running(excluding=None)
                 if victim is None or (victim is req and len(self.running) == 1):
                     plan.failed.append((req, self._too_big(req)))
@@ -128,6 +135,17 @@ class Scheduler:
                 self._preempt_one(victim, plan)
                 if victim is req:
                     return False
+
+    def _window(self, req: Request, n: int) -> None:
+        """With a window group: hold window slots for the blocks ``req``'s next ``n`` tokens read and write there
+        (from the window of its last block boundary on). Raises ``OutOfWindowSlots`` when they cannot be had."""
+        ws = self.cache.windows
+        if ws is None or n <= 0:
+            return
+        assert req.handle is not None
+        bs = self.block_size
+        lo, hi = ws.first_block(req.computed // bs), -(-(req.computed + n) // bs)
+        ws.give(("request", req.handle.id), req.table[lo:hi])
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         bs = self.block_size
@@ -208,6 +226,15 @@ class Scheduler:
         hy, limit = self.hybrid, req.cache_limit
         if hy is None:
             m = self.cache.match(req.tokens[:limit], req.namespace)
+            if self.cache.windows is not None:  # the window group's points, kept as the request passes them
+                req.state_points = snapshot_points(
+                    block_size=self.block_size,
+                    restored=m.cached_blocks,
+                    matched=m.handle.kv_blocks,
+                    limit=limit,
+                    prompt_blocks=(len(req.prompt) if not req.scoring else req.commit_limit) // self.block_size,
+                    hints=req.snapshot_hints,
+                )
             return m.handle, list(m.block_ids), m.cached_tokens
         slot = hy.take_live()
         if slot is None:
@@ -246,7 +273,8 @@ class Scheduler:
         n = 1 if req.remaining == 1 else self._chunk(req, min(req.remaining, self.config.max_chunk_tokens, budget))
         try:
             req.table.extend(self.cache.allocate(handle, max(0, self._blocks_needed(req, n))))
-        except OutOfBlocks:
+            self._window(req, n)
+        except (OutOfBlocks, OutOfWindowSlots):
             self.cache.release(handle)
             if self.hybrid is not None and req.state_slot is not None:
                 self.hybrid.give_back(req.state_slot)

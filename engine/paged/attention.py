@@ -69,6 +69,11 @@ class StepBatch:
     layer: int = -1
     attention_s: float = 0.0  # seconds spent in paged_attention for this batch (all layers)
     latent_out: torch.Tensor | None = None  # the last multi-head latent attention's output
+    # a pool with window layers (``KVPool.window_layers``): their slots for the new tokens, per row the slots of
+    # its blocks (a block without one reads zeros: out of every new token's window), and the kernel rows' tables
+    window_slots: torch.Tensor | None = None
+    window_blocks: list[list[int]] = field(default_factory=list)
+    window_tables: torch.Tensor | None = None
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -101,6 +106,8 @@ class StepBatch:
             krows,
             trows,
         )
+        if pool.window_layers:
+            batch._windows(rows)
         if krows:
             width = max(len(rows[i].blocks) for i in krows)
             table = torch.zeros((len(krows), width), dtype=torch.int32)
@@ -108,10 +115,40 @@ class StepBatch:
                 b = rows[i].blocks
                 table[j, : len(b)] = torch.as_tensor(list(b), dtype=torch.int32)
             batch.tables = table
+            if pool.window_layers:
+                wtable = torch.zeros((len(krows), width), dtype=torch.int32)
+                for j, i in enumerate(krows):
+                    wb = batch.window_blocks[i]
+                    wtable[j, : len(wb)] = torch.as_tensor(wb, dtype=torch.int32)
+                batch.window_tables = wtable
             batch.q_start = torch.tensor([rows[i].q_start for i in krows], dtype=torch.int32)
             batch.q_len = torch.tensor([rows[i].q_len for i in krows], dtype=torch.int32)
             batch.kv_len = torch.tensor([rows[i].kv_len for i in krows], dtype=torch.int32)
         return batch
+
+    def _windows(self, rows: list[Row]) -> None:
+        """The window layers' slots of the rows' blocks and new tokens (``KVPool.window_ids``). A new token whose
+        block has no slot is a bug upstream (its K/V would be lost): raises."""
+        pool, bs = self.pool, self.pool.block_size
+        slots: list[int] = []
+        scratch = pool.window_slots * bs
+        for r in rows:
+            read = pool.window_ids(list(r.blocks), write=False).tolist()
+            self.window_blocks.append(read)
+            first = r.kv_len - r.q_len
+            for p in range(first, r.kv_len):
+                if p < r.fresh_from:
+                    slots.append(scratch + p % bs)
+                    continue
+                s = read[p // bs]
+                if s >= pool.window_slots:
+                    raise RuntimeError(f"paged step: block {r.blocks[p // bs]} (token {p}) has no window slot")
+                slots.append(s * bs + p % bs)
+        self.window_slots = torch.tensor(slots, dtype=torch.long, device=pool.device)
+
+    def windowed(self, layer: int) -> bool:
+        """Whether pool layer ``layer`` is a window layer (read and written through window slots)."""
+        return layer in self.pool.window_layers
 
     @property
     def num_tokens(self) -> int:
@@ -149,10 +186,12 @@ class PagedKV:
         pair = b.pool.layer(layer_idx)
         if pair is None:
             raise RuntimeError(f"paged forward: layer {layer_idx} has no KV in the pool")
+        slots = b.window_slots if b.windowed(layer_idx) else b.slots
+        assert slots is not None
         for src, dst in zip((key_states, value_states), pair):
             heads, _, width = dst.shape
             flat = dst.view(heads, -1, width // b.pool.block_size)
-            flat.index_copy_(1, b.slots, src[0].to(dst.dtype))
+            flat.index_copy_(1, slots, src[0].to(dst.dtype))
         b.layer = layer_idx
         return key_states, value_states
 
@@ -199,6 +238,8 @@ def paged_attention(
     assert pair is not None
     kpool, vpool = pair
     if hasattr(module, "expand_kv"):  # multi-head latent attention: the pool holds the latents, not K/V
+        if b.windowed(b.layer):
+            raise RuntimeError("paged attention: latent attention layers in a window group are not supported")
         _latent_attention(b, module, query, kpool, vpool, scaling, sliding_window)
         b.attention_s += time.perf_counter() - t0
         assert b.latent_out is not None
@@ -269,6 +310,8 @@ def _kernel_attention(
         qf = qf.contiguous()
     bs = b.pool.block_size
     dim = q.shape[2]
+    tables = b.window_tables if b.windowed(b.layer) else b.tables
+    assert tables is not None
     rc = lib.paged_attention_f32(
         ctypes.c_void_p(qf.data_ptr()),
         qf.stride(0),
@@ -280,8 +323,8 @@ def _kernel_attention(
         dim,
         hkv,
         q.shape[1],
-        ctypes.c_void_p(b.tables.data_ptr()),
-        b.tables.shape[1],
+        ctypes.c_void_p(tables.data_ptr()),
+        tables.shape[1],
         ctypes.c_void_p(b.q_start.data_ptr()),
         ctypes.c_void_p(b.q_len.data_ptr()),
         ctypes.c_void_p(b.kv_len.data_ptr()),
@@ -319,8 +362,9 @@ def _torch_attention(
 ) -> None:
     r = b.rows[i]
     bs = b.pool.block_size
-    k = _gather(kpool, r.blocks, r.kv_len, bs)
-    v = _gather(vpool, r.blocks, r.kv_len, bs)
+    blocks = b.window_blocks[i] if b.windowed(b.layer) else r.blocks
+    k = _gather(kpool, blocks, r.kv_len, bs)
+    v = _gather(vpool, blocks, r.kv_len, bs)
     qi = q[r.q_start : r.q_start + r.q_len].transpose(0, 1)  # [Hq, q_len, D]
     hq = qi.shape[0]
     if hq != hkv:

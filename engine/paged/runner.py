@@ -120,6 +120,11 @@ def paged_unsupported_reason(model: PreTrainedModel, pool: KVPool) -> str | None
     missing = [i for i, s in enumerate(pool.specs) if s is None and i not in _stateless_or_recurrent(model)]
     if missing:
         return f"{name} has layers without keys and values of their own (shared KV) at {missing}"
+    text = model.config.get_text_config(decoder=True)
+    if "chunked_attention" in (getattr(text, "layer_types", None) or []) or (
+        getattr(text, "attention_chunk_size", None) and not getattr(text, "layer_types", None)
+    ):
+        return f"{name} uses chunked attention, whose masks the paged attention does not build"
     for m in model.modules():
         if hasattr(m, "sinks") or hasattr(m, "s_aux"):
             return f"{name} uses attention sinks, which the paged attention does not implement"

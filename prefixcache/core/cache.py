@@ -374,6 +374,9 @@ class PrefixCache:
     ) -> tuple[RequestHandle, list[BlockIds], int, int]:
         """``_finish_match`` without the result: (the handle, its path's block ids, cached blocks and tokens)."""
         terminal = self._split_last(path)
+        kv_hit = -1
+        if self.windows is not None and terminal is not None:  # served only where the window group is complete
+            terminal, kv_hit = self._window_terminal(terminal)
         self._clock += 1
         clock = self._clock
         handle = RequestHandle(next(self._ids), mode, namespace, terminal, prompt)
@@ -393,10 +396,11 @@ class PrefixCache:
             hit += len(blocks)
             node = node.parent
         runs.reverse()
-        if hit < limit or limit == full:  # the walk stopped where a walk of all ``full`` blocks stops too
-            handle.walked, handle.matched_blocks = self.tree.generation, hit
+        if kv_hit < 0 and (hit < limit or limit == full):  # the walk stopped where a walk of all ``full`` blocks
+            handle.walked, handle.matched_blocks = self.tree.generation, hit  # stops too (a cut one does not)
+        handle.kv_blocks = max(kv_hit, hit)
         if self.windows is not None and hit:
-            runs, hit = self._window_cut(handle, runs, hit)
+            self._hold_window(handle, runs, hit)
         cached_tokens = min(hit * self.block_size, n)
         s = self.stats
         s.lookups += 1
@@ -407,20 +411,39 @@ class PrefixCache:
         s.lookups_with_hit += hit > 0
         return handle, runs, hit, cached_tokens
 
-    def _window_cut(self, handle: RequestHandle, runs: list[BlockIds], hit: int) -> tuple[list[BlockIds], int]:
-        """The matched path cut to the deepest point whose window the window group holds; the request holds
-        that window until it is released, and the point is refreshed."""
+    def _window_terminal(self, terminal: Node) -> tuple[Node | None, int]:
+        """The node a match ending at ``terminal`` is served to: the deepest point of its path whose window the
+        window group holds (splitting the node it falls inside), and the path's blocks before the cut."""
+        ws = self.windows
+        assert ws is not None
+        nodes: list[Node] = []
+        node: Node | None = terminal
+        while node is not None and node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        path = np.concatenate([ids_array(n.blocks) for n in nodes])
+        total = len(path)
+        p = ws.served(path, total)
+        if p == total:
+            return terminal, total
+        depth = 0
+        for n in nodes:
+            nb = len(n.blocks)
+            if depth + nb >= p:
+                if p == depth:
+                    return n.parent if n.parent is not None and n.parent.parent is not None else None, total
+                return (n if depth + nb == p else self.tree.split(n, p - depth)), total
+            depth += nb
+        return None, total  # pragma: no cover - p <= total
+
+    def _hold_window(self, handle: RequestHandle, runs: list[BlockIds], hit: int) -> None:
+        """The request holds the window of its match's end while it lives; that point is refreshed."""
         ws = self.windows
         assert ws is not None
         path = np.concatenate([ids_array(r) for r in runs]) if len(runs) > 1 else ids_array(runs[0])
-        handle.kv_blocks = hit
-        p = ws.served(path, hit)
-        if p:
-            ws.hold(("request", handle.id), path[ws.first_block(p) : p])
-            ws.touch_point(path, p)
-        if p == hit:
-            return runs, hit
-        return ([path[:p]] if p else []), p
+        ws.hold(("request", handle.id), path[ws.first_block(hit) : hit])
+        ws.touch_point(path, hit)
 
     def _split_last(self, path: Walk) -> Node | None:
         """The terminal of a walked path: its last node, split where the match ends inside it."""
@@ -571,6 +594,10 @@ class PrefixCache:
         owned.difference_update(own[:adopted])
         if dups:
             owned.difference_update(dups)
+            if self.windows is not None:  # a running request's window K/V of a duplicate lives on in the tree's
+                for b, t in zip(block_ids[:have], tree_ids):
+                    if int(b) != t:
+                        self.windows.replace(int(b), t)
             self._free(np.asarray(dups, dtype=np.int64))
         return BlockCommit((*tree_ids, *own[:adopted]), adopted, len(dups), len(own) - adopted)
 

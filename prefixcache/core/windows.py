@@ -287,6 +287,39 @@ class WindowSlots:
                 else:
                     self.let_go(h, (b,))
 
+    def replace(self, own: int, tree: int) -> None:
+        """A request's own block ``own`` turned out to hold what the cache's block ``tree`` holds (same tokens, same
+        prefix: same K/V), and ``own`` is about to be freed: its holders hold ``tree`` instead, its points become
+        ``tree``'s, and its slot (its window K/V) moves to ``tree`` if ``tree`` has none. Changes the slots."""
+        own, tree = int(own), int(tree)
+        holders = self._holders.get(own)
+        if not holders:
+            return
+        if self.table[tree] < 0:  # the slot, and its K/V, go over whole
+            self.table[tree], self.table[own] = self.table[own], -1
+            self._holders[tree] = self._holders.pop(own)
+            for h in self._holders[tree]:
+                self._held[h].discard(own)
+                self._held[h].add(tree)
+        else:
+            for h in list(holders):
+                self._hold(h, (tree,))
+                self.let_go(h, (own,))
+        old = ("point", own)
+        if old in self._points:
+            blocks = self._held.pop(old, set())
+            self._points.pop(old)
+            new = ("point", tree)
+            if new in self._points:  # the tree's own point: one is enough
+                for b in blocks:
+                    self._unhold(b, old)
+            else:
+                self._held[new] = blocks
+                self._points[new] = None
+                for b in blocks:
+                    self._holders[b].discard(old)
+                    self._holders[b].add(new)
+
     # ---- invariants -------------------------------------------------------------------------------------
     def check_integrity(self, live_blocks: npt.NDArray[np.int64] | None = None) -> None:
         """Raise AssertionError if the slots, holders and points disagree; with ``live_blocks`` (the cache's

@@ -145,6 +145,10 @@ def generate(
                     m = _cut(rt, m, safe)
             matches.append(m)
             tiered.append(len(got))
+            if kv_cached is None and rt.cache.windows is not None and m.handle.kv_blocks > m.cached_blocks:
+                # the KV match a window group cut short (no window held there): counted as ``no_state``
+                kv_cached = min(m.handle.kv_blocks, (len(ids) - 1) // rt.block_size) * rt.block_size
+                kv_cached = max(kv_cached, m.cached_tokens)
             live.append(rt.causes.request(ids, ns, m.cached_tokens, kv_cached=kv_cached))
         # a hybrid row's suffix is always prefilled on its own: its state must see no padding
         ready = matches[0].cached_tokens if batch == 1 and hy is None and media is None else width - 1
@@ -408,6 +412,7 @@ def _keep_windows(
     new: list[int] = []
     for p in [*points, cached_blocks]:
         new.extend(ws.keep_point(path, p, known_from=served) or ())
+    new.extend(ws.offer(path[served:cached_blocks]))  # the rest it computed, while free or idle slots last
     if not new:
         return
     where = {b: i for i, b in enumerate(path)}

@@ -2,7 +2,8 @@
 
 Presets are models with seeded random weights and a byte-level tokenizer: 256 byte tokens plus special tokens
 (``<|bos|>``, ``<|eos|>``, ``<|pad|>``, role markers) and a chat template. ``tiny`` and ``small`` are Llama-style;
-``small-swa`` is Gemma-3-shaped (five sliding-window layers of 512 tokens per full-attention one);
+``tiny-swa`` and ``small-swa`` are Gemma-3-shaped (five sliding-window layers, of 32 and 512 tokens, per
+full-attention one);
 ``tiny-hybrid`` and ``small-hybrid`` have Qwen3.5's hybrid layer pattern (three gated-delta-net linear-attention
 layers to one full-attention layer); ``tiny-vlm`` and ``small-vlm`` are Qwen2.5-VL-shaped image-text models (a
 windowed ViT, 2x2 patch merge, M-RoPE) with the family's image processor configured here (``image_processor``)
@@ -122,6 +123,18 @@ PRESETS: dict[str, Preset] = {
         family="qwen2_5_vl",
         vision=(4, 256, 4),
         max_image_tokens=1280,
+    ),
+    "tiny-swa": Preset(  # Gemma-3-shaped like small-swa, window 32
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+        family="gemma3",
+        head_dim=16,
+        sliding_window=32,
     ),
     "small-swa": Preset(  # Gemma-3-shaped: 5 sliding-window layers (512 tokens) per full one
         hidden_size=768,

@@ -51,7 +51,7 @@ from engine.weights import WeightsSnapshot, describe_change
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.core.checks import check_int
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.windows import WindowRule, WindowSlots
+from prefixcache.core.windows import DEFAULT_WINDOW_SHARE, WindowRule, WindowSlots
 from prefixcache.sim.causes import LiveCauses
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_CACHED_TOKENS = 32_768
 HISTORY_FACTOR = 4  # the miss-cause history remembers this many pools' worth of committed tokens
-DEFAULT_WINDOW_SHARE = 0.25  # window-layer slots per full-layer block of a window-group pool
 FAST_LINEAR_MAX_BYTES = 4 << 30  # prepacked oneDNN linears by default when their copy of the weights fits this
 
 
@@ -76,9 +75,9 @@ class RuntimeConfig:
     snapshots are kept (None: 64) beside a live state per running engine request; ``snapshot_interval``: also keep
     one every so many blocks of a prompt (0: only where the policy says). Images (docs/multimodal.md): the vision
     tower's output of each image is kept by content id up to ``max_encoder_cache_bytes`` (default 256 MiB; 0:
-    none). Sliding-window and chunked-attention layers (docs/sliding.md): with ``sliding_windows`` their K/V is
-    kept only within the window of a point a match can end at, in ``window_share`` slots per block of the full
-    layers (the same bytes then hold more cached tokens); off by default while the engine cannot read them."""
+    none). Sliding-window and chunked-attention layers (docs/sliding.md): with ``sliding_windows`` (the default)
+    their K/V is kept only within the windows a match can end at, in ``window_share`` slots per block of the full
+    layers (the same bytes then hold more cached tokens)."""
 
     max_cached_tokens: int | None = None
     max_cached_bytes: int | None = None
@@ -96,7 +95,7 @@ class RuntimeConfig:
     max_cached_states: int | None = None
     snapshot_interval: int = 0
     max_encoder_cache_bytes: int = DEFAULT_MAX_ENCODER_CACHE_BYTES
-    sliding_windows: bool = False
+    sliding_windows: bool = True
     window_share: float = DEFAULT_WINDOW_SHARE
 
     def __post_init__(self) -> None:
@@ -598,6 +597,15 @@ class ModelRuntime:
             d["block_hit_rate"] = d["hit_blocks"] / d["lookup_blocks"] if d["lookup_blocks"] else 0.0
             if self.hybrid is not None:
                 d.update(self.hybrid.stats())
+            ws = self.cache.windows
+            if ws is not None:  # the window group (docs/sliding.md)
+                d.update(
+                    window_slots=ws.capacity,
+                    window_slots_held=ws.num_held,
+                    window_slots_idle=ws.num_idle,
+                    window_points=ws.num_points,
+                    **{f"window_{k}": v for k, v in ws.stats.as_dict().items()},
+                )
             d.update(self.encoder_cache.stats())
             if self._state_tier is not None:
                 st = self._state_tier.counters

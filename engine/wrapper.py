@@ -38,7 +38,6 @@ from engine.media.requests import media_prompt
 from engine.models import context_length
 from engine.runtime import (
     DEFAULT_MAX_CACHED_TOKENS,
-    DEFAULT_WINDOW_SHARE,
     HISTORY_FACTOR,
     ModelRuntime,
     RuntimeConfig,
@@ -48,6 +47,7 @@ from engine.tier import KVTier
 from prefixcache import PrefixCache
 from prefixcache.core.checks import check_int
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.windows import DEFAULT_WINDOW_SHARE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -93,11 +93,11 @@ class PrefixCachedModel:
     its placeholders fall in, so another image behind the same placeholder ids never hits, and the vision tower's
     output is kept by content id up to ``max_encoder_cache_bytes``. Other families run such calls uncached.
 
-    Sliding-window and chunked-attention layers (docs/sliding.md): ``sliding_windows=True`` keeps their K/V only
-    within the window of the points a match can end at, in ``window_share`` slots per cached block, so the same
-    memory holds several times the cached prefix on Gemma-, gpt-oss- or Olmo-shaped models; a match is
-    served only as deep as every group is complete. Off by default while the paged engine cannot read the slots
-    (with it on, ``generate_batch`` and ``score`` run on the contiguous path).
+    Sliding-window and chunked-attention layers (docs/sliding.md): ``sliding_windows`` (on by default) keeps their
+    K/V only within the windows of the points a match can end at (and of other blocks while slots are spare), in
+    ``window_share`` slots per cached block, so the same memory holds several times the cached prefix on Gemma-,
+    gpt-oss- or Olmo-shaped models; a match is served only as deep as every group is complete, and the engine's
+    running requests hold slots only within their windows.
     """
 
     def __init__(
@@ -122,7 +122,7 @@ class PrefixCachedModel:
         max_cached_states: int | None = None,
         snapshot_interval: int = 0,
         max_encoder_cache_bytes: int = DEFAULT_MAX_ENCODER_CACHE_BYTES,
-        sliding_windows: bool = False,
+        sliding_windows: bool = True,
         window_share: float = DEFAULT_WINDOW_SHARE,
     ) -> None:
         config = RuntimeConfig(

@@ -197,7 +197,7 @@ def test_presets_match_engine_models():
     pytest.importorskip("torch")
     from engine import hf_cache
     from engine.hybrid.probe import probe_spec
-    from engine.kv_pool import KVPool
+    from engine.kv_pool import KVPool, bytes_per_token
     from engine.models import PRESETS as ENGINE
     from engine.models import build_preset
     from engine.runtime import ModelRuntime, RuntimeConfig
@@ -215,11 +215,18 @@ def test_presets_match_engine_models():
             pool = KVPool(hf_cache.probe_specs(model), 1, 16, dtype=model.dtype, device="cpu", check_memory=False)
             snapshot = probe_spec(model).bytes_per_snapshot
         else:
-            rt = ModelRuntime(model, RuntimeConfig(max_cached_tokens=64, max_cached_states=1))
+            tokens = 4096 if m.window_layers else 64  # window slots round to whole blocks: a pool where that is small
+            rt = ModelRuntime(model, RuntimeConfig(max_cached_tokens=tokens, max_cached_states=1))
             assert rt.pool is not None
             pool = rt.pool
             snapshot = 0 if rt.hybrid is None else rt.hybrid.spec.bytes_per_snapshot
-        assert m.bytes_per_token == pool.nbytes // (pool.num_blocks * pool.block_size), name
+            assert m.window_layers == (0 if rt.window is None else len(rt.window[1])), name
+            assert m.whole_bytes_per_token == bytes_per_token(rt.specs, model.dtype), name
+        per_token = pool.nbytes / (pool.num_blocks * pool.block_size)
+        if m.window_layers:
+            assert abs(m.bytes_per_token - per_token) <= 0.005 * per_token, name
+        else:
+            assert m.bytes_per_token == per_token, name
         assert m.state_bytes == snapshot, name
         assert m.hybrid == (p.family == "qwen3_5") and (m.total_layers or m.layers) == p.num_hidden_layers
 

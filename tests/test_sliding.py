@@ -98,7 +98,20 @@ def wrap(model, **kw) -> PrefixCachedModel:
 def window_blocks_held(pcm: PrefixCachedModel) -> int:
     ws = pcm.cache.windows
     assert ws is not None
-    return ws.capacity - ws.num_free
+    return ws.num_held
+
+
+def take_every_slot(pcm: PrefixCachedModel) -> None:
+    """Drop every point and let other blocks take every slot (what pressure from other prompts does)."""
+    ws = pcm.cache.windows
+    for key in list(ws._points):
+        ws.drop(key)
+    live = set(pcm.cache._path_ids(None))
+    others = [b for b in range(ws.num_blocks) if ws.table[b] < 0][: ws.capacity]
+    ws.give("others", others)
+    ws.drop("others")
+    ws.forget(others)  # (they are not the cache's: give their slots back free)
+    assert not live
 
 
 def test_the_group_is_found_and_the_pool_is_smaller_per_block(family_model) -> None:
@@ -109,7 +122,7 @@ def test_the_group_is_found_and_the_pool_is_smaller_per_block(family_model) -> N
     rule, layers = rt.window
     assert rule.kind == ("chunked" if family == "llama4" else "sliding") and rule.tokens == W
     assert layers == (frozenset({0, 2}) if family == "gpt_oss" else frozenset({0, 1, 2}))
-    plain = PrefixCachedModel(model, block_size=BS, max_cached_tokens=256)
+    plain = PrefixCachedModel(model, block_size=BS, max_cached_tokens=256, sliding_windows=False)
     assert pcm.pool.nbytes <= plain.pool.nbytes  # the same bytes ...
     assert pcm.cache.num_blocks > plain.cache.num_blocks  # ... hold more blocks of cached prefix
 
@@ -121,7 +134,8 @@ def test_hits_before_at_and_past_a_window_boundary_equal_the_bare_model(family_m
     base = rand_tokens(gen, 30)
     compare(pcm, model, torch.tensor([base]))  # a miss: keeps the re-send point (7) and the request end (8)
     held = window_blocks_held(pcm)
-    assert 0 < held <= 2 * pcm.cache.windows.rule.max_blocks(BS) < 8  # their windows, not all 8 blocks
+    assert 0 < held <= 2 * pcm.cache.windows.rule.max_blocks(BS) < 8  # points hold their windows, not all 8
+    assert pcm.cache.windows.num_idle > 0  # the other blocks' windows stay while slots are spare
     for cut in (5, 8, 9, 12, 16, 17, 24, 29):  # the shared prefix ends before, at and past window boundaries
         prompt = base[:cut] + rand_tokens(gen, 7)
         compare(pcm, model, torch.tensor([prompt]))
@@ -143,14 +157,14 @@ def test_a_match_whose_window_is_gone_is_cut_and_stays_exact(family_model) -> No
     base = rand_tokens(gen, 40)
     compare(pcm, model, torch.tensor([base]))
     ws = pcm.cache.windows
-    for key in list(ws._points):  # the window of every point is dropped: the full layers' blocks stay
-        ws.drop(key)
+    take_every_slot(pcm)  # no window is left: the full layers' blocks stay
     compare(pcm, model, torch.tensor([base + rand_tokens(gen, 3)]))
     cached = pcm.last_request_stats[0].cached_tokens
     if family == "llama4":  # a chunk boundary needs no window: served there
         assert cached > 0 and cached % W == 0
-    else:  # no window held: nothing can be served
+    else:  # no window held: nothing can be served; the cached KV it could not use is named (explain's no_state)
         assert cached == 0 and ws.stats.cut_matches >= 1
+        assert pcm.last_request_stats[0].no_state_tokens == (len(base) + 3 - 1) // BS * BS
     pcm.cache.check_integrity()
 
 
@@ -183,9 +197,10 @@ def test_padded_batches_equal_the_bare_model(family_model) -> None:
     pcm.cache.check_integrity()
 
 
-def test_windows_off_by_default_and_with_a_tier(tmp_path, family_model) -> None:
+def test_windows_on_by_default_off_on_request_and_with_a_tier(tmp_path, family_model) -> None:
     family, model = family_model
-    assert PrefixCachedModel(model, block_size=BS).runtime.window is None
+    assert PrefixCachedModel(model, block_size=BS).runtime.window is not None
+    assert PrefixCachedModel(model, block_size=BS, sliding_windows=False).runtime.window is None
     pcm = wrap(model, disk_cache=str(tmp_path / "tier"))
     assert pcm.runtime.window is None and pcm.cache.windows is None
     pcm.close()
@@ -233,6 +248,8 @@ def test_the_engine_reads_window_slots_exactly(family: str) -> None:
         want = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
         assert abs(got.logprob - want) < 1e-4
     assert got.cached_tokens > 0
+    stats = pcm.cache_stats()
+    assert stats["window_points"] == pcm.cache.windows.num_points > 0 and stats["window_slots_held"] > 0
     pcm.cache.check_integrity()
     ws = pcm.cache.windows
     assert pcm.cache.num_pinned_blocks == 0

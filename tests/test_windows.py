@@ -87,7 +87,7 @@ def test_evicted_blocks_lose_their_slots_and_points() -> None:
     cache.commit(m.handle, b)  # evicts a's tail: its point goes, its slots free
     cache.release(m.handle)
     cache.check_integrity()
-    assert ws.num_points == 0 and ws.num_free == 4
+    assert ws.num_points == 0 and ws.num_free + ws.num_idle == 4 and ws.num_held == 0
     assert cache.match(a).cached_blocks == 0
 
 
@@ -100,8 +100,8 @@ def test_give_is_all_or_nothing() -> None:
     ws.check_integrity()
     ws.keep_point([0, 1, 2], 3)  # window: blocks 1, 2
     assert ws.num_free == 0
-    assert ws.give("s", [5]) == [5]  # drops the point: block 2's slot comes free
-    assert ws.num_points == 0
+    assert ws.give("s", [5]) == [5]  # drops the point: block 2's slot goes idle, then to block 5
+    assert ws.num_points == 0 and ws.slot(2) is None and ws.slot(1) is not None  # block 1 stays, idle
     ws.check_integrity()
 
 
@@ -116,20 +116,21 @@ def test_give_is_all_or_nothing() -> None:
             st.lists(st.integers(0, 2), min_size=1, max_size=40),  # a prompt from a tiny alphabet: shared prefixes
             st.lists(st.integers(0, 10), max_size=3),  # points to keep (block boundaries)
             st.booleans(),  # keep the request-end point
+            st.booleans(),  # offer idle slots to the rest
         ),
         min_size=1,
         max_size=25,
     ),
 )
 def test_served_windows_hold_exactly_their_blocks_kv(
-    kind: str, window: int, num_blocks: int, capacity: int, ops: list[tuple[list[int], list[int], bool]]
+    kind: str, window: int, num_blocks: int, capacity: int, ops: list[tuple[list[int], list[int], bool, bool]]
 ) -> None:
     cache = PrefixCache(CacheConfig(num_blocks=num_blocks, block_size=BS))
     ws = WindowSlots(WindowRule(kind, window), BS, capacity, num_blocks)
     cache.attach_windows(ws)
     full: dict[int, tuple[int, ...]] = {}  # block id -> the prefix whose last block's KV it holds
     slots: dict[int, tuple[int, ...]] = {}  # window slot -> the same
-    for prompt, points, end in ops:
+    for prompt, points, end, offer in ops:
         m = cache.match(prompt)
         path = list(m.block_ids)
         walked = cache.tree.walk_tokens(
@@ -156,5 +157,67 @@ def test_served_windows_hold_exactly_their_blocks_kv(
                 i = seq.index(b)
                 assert i >= m.cached_blocks  # only blocks this request computed get a slot now
                 slots[int(ws.table[b])] = tuple(prompt[: (i + 1) * BS])
+        if offer:  # the rest of what it computed, into free or idle slots
+            for b in ws.offer(seq[m.cached_blocks :]):
+                slots[int(ws.table[b])] = tuple(prompt[: (seq.index(b) + 1) * BS])
         cache.release(m.handle)
         cache.check_integrity()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    capacity=st.integers(1, 10),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["give", "let_go", "drop", "point", "offer", "replace", "forget"]),
+            st.integers(0, 3),  # holder
+            st.lists(st.integers(0, 15), min_size=1, max_size=5),  # blocks
+        ),
+        max_size=40,
+    ),
+)
+def test_every_slot_holds_its_blocks_kv_whatever_the_ops(capacity: int, ops: list[tuple[str, int, list[int]]]) -> None:
+    """Slots never alias and never go stale: a model of what each slot was written with, against the block's own
+    content, after any mix of holds, points, idle offers, duplicate replacement and frees."""
+    from prefixcache.core.windows import OutOfWindowSlots
+
+    ws = WindowSlots(WindowRule("sliding", 9), BS, capacity, num_blocks=16)
+    content = {b: (b, 0) for b in range(16)}  # a block's K/V (a freed id gets new content when reused)
+    written: dict[int, tuple[int, int]] = {}  # slot -> what was written there
+
+    def write(blocks: list[int]) -> None:
+        for b in blocks:
+            written[int(ws.table[b])] = content[b]
+
+    for op, h, blocks in ops:
+        holder = ("request", h)
+        if op == "give":
+            try:
+                write(ws.give(holder, blocks))
+            except OutOfWindowSlots:
+                pass
+        elif op == "let_go":
+            ws.let_go(holder, blocks)
+        elif op == "drop":
+            ws.drop(holder)
+        elif op == "point":
+            write(ws.keep_point(blocks, len(blocks)) or [])
+        elif op == "offer":
+            write(ws.offer(blocks))
+        elif op == "replace" and len(blocks) >= 2 and blocks[0] != blocks[1]:
+            own, tree = blocks[0], blocks[1]
+            content[own] = content[tree]  # a duplicate: the same K/V (what its slot holds is the tree block's)
+            if ws.slot(own) is not None:
+                written[ws.slot(own)] = content[tree]
+            ws.replace(own, tree)
+            ws.forget([own])
+            content[own] = (own, content[own][1] + 1)  # the id is free: new content when reused
+        elif op == "forget":
+            ws.forget(blocks)
+            for b in blocks:
+                content[b] = (b, content[b][1] + 1)
+        ws.check_integrity()
+        for b in range(16):
+            s = ws.slot(b)
+            if s is not None:
+                assert written.get(s) == content[b], (op, b, s)

@@ -188,7 +188,7 @@ class PrefixCache:
         )
         self.allocator = BlockAllocator(c.num_blocks)
         if self.windows is not None:
-            self.windows.reset()
+            self.windows.reset(keep_stats=keep_stats)
         self.policy: EvictionPolicy = self._policy_factory(self.clock)
         if not keep_stats or not hasattr(self, "stats"):
             self.stats = CacheStats()

@@ -16,6 +16,11 @@ cache block id to its slot (``table``; -1: none). A block keeps a slot while a *
 * a **live request** (``give`` / ``hold`` / ``let_go``, keyed by the request's id): the blocks inside its
   current window, released as they fall out of it.
 
+A slot no one holds any more stays with its block, *idle* (its K/V still valid), until a slot is needed: then the
+least recently idle one is taken first, and only then points are dropped. So while there is room a match may end
+at any boundary whose window is still there (as vLLM's freed-but-hashed blocks serve), and under pressure the
+points decide. ``offer`` gives new blocks idle slots without taking any from a point.
+
 A match is served to the deepest point whose window blocks all have slots (``served``), so it is exact: the
 blocks before the window are masked out by the layer's own rule, whatever their slot holds. Block ids freed by
 the cache (evicted, or a request's own blocks given back) lose their slot at once (``forget``): a reused id
@@ -34,6 +39,7 @@ import numpy.typing as npt
 from prefixcache.core.checks import check_int
 
 KINDS = ("sliding", "chunked")
+DEFAULT_WINDOW_SHARE = 0.25  # window-layer slots per full-layer block of a pool (the engine's and the planner's)
 Ids = Sequence[int] | npt.NDArray[np.int64]  # a path's block ids
 
 
@@ -102,18 +108,32 @@ class WindowSlots:
         self.stats = WindowStats()
         self.reset()
 
-    def reset(self) -> None:
-        """Drop every slot, point and hold (the cache was reset). Counters stay."""
+    def reset(self, *, keep_stats: bool = True) -> None:
+        """Drop every slot, point and hold (the cache was reset); counters restart unless ``keep_stats``."""
+        if not keep_stats:
+            self.stats = WindowStats()
         self.table: npt.NDArray[np.int64] = np.full(self.num_blocks, -1, dtype=np.int64)
         self._free = list(range(self.capacity - 1, -1, -1))
         self._holders: dict[int, set[Hashable]] = {}  # block -> its holders
         self._held: dict[Hashable, set[int]] = {}  # holder -> its blocks
         self._points: OrderedDict[Hashable, None] = OrderedDict()  # point holders, least recently used first
+        self._idle: OrderedDict[int, None] = OrderedDict()  # blocks with a slot and no holder, oldest first
 
     # ---- reading ----------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
+        """Slots no block has."""
         return len(self._free)
+
+    @property
+    def num_idle(self) -> int:
+        """Slots whose block no one holds (taken first when a slot is needed)."""
+        return len(self._idle)
+
+    @property
+    def num_held(self) -> int:
+        """Slots some point or request holds."""
+        return self.capacity - len(self._free) - len(self._idle)
 
     @property
     def num_points(self) -> int:
@@ -157,21 +177,49 @@ class WindowSlots:
         next match). All or nothing: raises ``OutOfWindowSlots`` and changes nothing when they cannot be had."""
         blocks = list(dict.fromkeys(int(b) for b in block_ids))
         need = [b for b in blocks if self.table[b] < 0]
-        if len(need) > len(self._free):
-            if not evict:
-                raise OutOfWindowSlots(f"{len(need)} window slots needed, {len(self._free)} free")
-            added = self._hold(holder, [b for b in blocks if self.table[b] >= 0])  # they survive the eviction
-            while len(need) > len(self._free) and self._evict_one(spare=holder):
-                pass
-            if len(need) > len(self._free):
+        added = self._hold(holder, [b for b in blocks if self.table[b] >= 0])  # held now: not taken below
+        if len(need) > self._spare():
+            if evict:
+                while len(need) > self._spare() and self._evict_one(spare=holder):
+                    pass
+            if len(need) > self._spare():
                 self.let_go(holder, added)
                 raise OutOfWindowSlots(
-                    f"{len(need)} window slots needed, {len(self._free)} free after dropping every point"
+                    f"{len(need)} window slots needed, {self._spare()} free"
+                    + (" after dropping every point" if evict else "")
                 )
         for b in need:
-            self.table[b] = self._free.pop()
-        self._hold(holder, blocks)
+            self.table[b] = self._take()
+        self._hold(holder, need)
         return need
+
+    def offer(self, block_ids: Iterable[int]) -> list[int]:
+        """Give blocks without a slot one from the free or idle slots (never from a point or a request), left idle;
+        returns those that got one (write their K/V). Changes the slots."""
+        got: list[int] = []
+        budget = self._spare()  # the idle slots of this call's own blocks are not taken again
+        for b in dict.fromkeys(int(x) for x in block_ids):
+            if budget <= 0:
+                break
+            if self.table[b] >= 0:
+                continue
+            self.table[b] = self._take()
+            self._idle[b] = None
+            got.append(b)
+            budget -= 1
+        return got
+
+    def _spare(self) -> int:
+        return len(self._free) + len(self._idle)
+
+    def _take(self) -> int:
+        """A slot for a block: a free one, else the oldest idle block's (which loses it)."""
+        if self._free:
+            return self._free.pop()
+        b, _ = self._idle.popitem(last=False)
+        s = int(self.table[b])
+        self.table[b] = -1
+        return s
 
     def hold(self, holder: Hashable, block_ids: Iterable[int]) -> None:
         """Hold blocks that have slots for ``holder`` (a request served them). Raises if one has none."""
@@ -189,6 +237,7 @@ class WindowSlots:
             if b not in held:
                 held.add(b)
                 self._holders.setdefault(b, set()).add(holder)
+                self._idle.pop(b, None)
                 added.append(b)
         if not held:
             del self._held[holder]
@@ -219,8 +268,7 @@ class WindowSlots:
         hs.discard(holder)
         if not hs:
             del self._holders[b]
-            self._free.append(int(self.table[b]))
-            self.table[b] = -1
+            self._idle[b] = None  # its K/V stays valid until the slot is taken
 
     def held(self, holder: Hashable) -> frozenset[int]:
         return frozenset(self._held.get(holder, ()))
@@ -279,6 +327,9 @@ class WindowSlots:
             b = int(b)
             holders = self._holders.get(b)
             if not holders:
+                if self._idle.pop(b, 0) is None:
+                    self._free.append(int(self.table[b]))
+                    self.table[b] = -1
                 continue
             for h in list(holders):
                 if h in self._points:
@@ -286,6 +337,9 @@ class WindowSlots:
                     self.stats.points_forgotten += 1
                 else:
                     self.let_go(h, (b,))
+            if self._idle.pop(b, 0) is None:  # no holder left: its slot goes back
+                self._free.append(int(self.table[b]))
+                self.table[b] = -1
 
     def replace(self, own: int, tree: int) -> None:
         """A request's own block ``own`` turned out to hold what the cache's block ``tree`` holds (same tokens, same
@@ -330,9 +384,11 @@ class WindowSlots:
         if len(used) + len(self._free) != self.capacity or set(self._free) & set(used.tolist()):
             raise AssertionError(f"{len(used)} slots used + {len(self._free)} free != capacity {self.capacity}")
         slotted = set(np.flatnonzero(self.table >= 0).tolist())
-        if slotted != set(self._holders):
+        if set(self._idle) & set(self._holders):
+            raise AssertionError("a block is both idle and held")
+        if slotted != set(self._holders) | set(self._idle):
             raise AssertionError(
-                f"blocks with slots {sorted(slotted)[:8]} are not the blocks with holders {sorted(self._holders)[:8]}"
+                f"blocks with slots {sorted(slotted)[:8]} are not those held or idle {sorted(self._holders)[:8]}"
             )
         for holder, blocks in self._held.items():
             if not blocks:

@@ -15,9 +15,10 @@ reply), whatever the capacity: what an unlimited cache would hold. From it:
 
 The n - c uncached tokens split, in order along the prompt, into::
 
-    [c, K)            no_state                (hybrid models, live caches only) the KV of these tokens was
-                                              cached (K: the KV match) but no recurrent-state snapshot of the
-                                              model reached them, so they were recomputed; K = c otherwise
+    [c, K)            no_state                (hybrid models and window groups, live caches only) the KV of
+                                              these tokens was cached (K: the KV match) but no recurrent-state
+                                              snapshot (or no kept window of the sliding-window layers) reached
+                                              them, so they were recomputed; K = c otherwise
     [K, A_same)       evicted or not_cached   committed earlier in this namespace, gone now: ``not_cached`` for
                                               blocks whose latest commit did not fit (the pool was full of
                                               pinned blocks), ``evicted`` for the others (they were cached,

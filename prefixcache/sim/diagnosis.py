@@ -298,8 +298,9 @@ def _not_cached(c: _Context) -> str:
 
 def _no_state(c: _Context) -> str:
     return (
-        "the KV of these tokens was cached, but no recurrent-state snapshot of the hybrid model reached them, so they "
-        "were recomputed: keep more snapshots (PrefixCachedModel(max_cached_states=...)), mark where prompts part "
+        "the KV of these tokens was cached, but no recurrent-state snapshot of the hybrid model (or no kept window "
+        "of its sliding-window layers) reached them, so they were recomputed: keep more snapshots "
+        "(PrefixCachedModel(max_cached_states=...)) or windows (window_share=...), mark where prompts part "
         "(snapshot hints: chat messages' ends) or snapshot every few blocks (snapshot_interval)"
     )
 

@@ -6,7 +6,9 @@ the attention layers (a hybrid model's recurrent layers keep none). Multi-head l
 GLM-4-MoE-Lite, Kimi Linear: configs with ``kv_lora_rank``) caches one latent per token and layer instead:
 ``kv_lora_rank + qk_rope_head_dim`` elements. A hybrid model's recurrent layers keep a fixed-size state per
 sequence, cached as snapshots: ``state_bytes`` is one snapshot (``prefixcache.sim.model_layers`` has the
-formulas). No transformers import: a config.json is read as plain JSON.
+formulas). Sliding-window or chunked layers (``window_layers`` of them, a window group: docs/sliding.md) keep their
+K/V in ``window_share`` slots per block, so a cached token costs the full layers' bytes plus ``window_share`` of
+theirs, as the engine sizes its pool. No transformers import: a config.json is read as plain JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+from prefixcache.core.windows import DEFAULT_WINDOW_SHARE
 from prefixcache.sim.model_layers import ConfigReader, Layers, preset_layers, read_layers
 
 DTYPE_BYTES = {
@@ -55,8 +59,16 @@ class KVShape:
     conv_elements: int = 0
     ssm_elements: int = 0
     total_layers: int | None = None
+    window_layers: int = 0
+    window_share: float = DEFAULT_WINDOW_SHARE
 
     def __post_init__(self) -> None:
+        if isinstance(self.window_layers, bool) or not isinstance(self.window_layers, int):
+            raise ValueError(f"{self.name}: window_layers must be an integer, got {self.window_layers!r}")
+        if not 0 <= self.window_layers <= self.layers:
+            raise ValueError(f"{self.name}: window_layers must be in [0, layers], got {self.window_layers}")
+        if not 0 < self.window_share <= 1:
+            raise ValueError(f"{self.name}: window_share must be in (0, 1], got {self.window_share!r}")
         for f in ("layers", "kv_heads", "head_dim"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -81,7 +93,14 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token across the attention layers."""
+        """KV bytes one cached token takes across the attention layers (a window group's at ``window_share``)."""
+        per_layer = self.elements_per_layer * DTYPE_BYTES[self.dtype]
+        full = (self.layers - self.window_layers) * per_layer
+        return full + round(self.window_share * self.window_layers * per_layer)
+
+    @property
+    def whole_bytes_per_token(self) -> int:
+        """KV bytes of one token with every attention layer kept whole (``sliding_windows=False``)."""
         return self.layers * self.elements_per_layer * DTYPE_BYTES[self.dtype]
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -115,7 +134,10 @@ class KVShape:
             layers = f"{self.layers} attention layers (of {self.total_layers})"
         if self.latent_dim:
             return f"{layers} x latent {self.latent_dim} (MLA)"
-        return f"{layers} x {self.kv_heads} KV heads x head dim {self.head_dim}"
+        text = f"{layers} x {self.kv_heads} KV heads x head dim {self.head_dim}"
+        if self.window_layers:
+            text += f" ({self.window_layers} windowed, at {self.window_share:g} slots per block)"
+        return text
 
     def state_text(self) -> str:
         """One snapshot in words: "9 recurrent layers: 55,296 conv elements x float32 + 442,368 state elements x
@@ -155,8 +177,9 @@ PRESETS: dict[str, KVShape] = {
     "small-hybrid": _hybrid_preset("small-hybrid", preset_layers(12, 6, 12, 64), kv_heads=4, head_dim=64),
     "tiny-vlm": KVShape("tiny-vlm", layers=2, kv_heads=2, head_dim=16, dtype="float32"),
     "small-vlm": KVShape("small-vlm", layers=12, kv_heads=4, head_dim=64, dtype="float32"),
-    # Gemma-3-shaped, 10 of its 12 layers sliding (window 512): the engine keeps their K/V whole by default
-    "small-swa": KVShape("small-swa", layers=12, kv_heads=4, head_dim=64, dtype="float32"),
+    # Gemma-3-shaped, 5 of 6 layers sliding (windows of 32 and 512 tokens): a window group (docs/sliding.md)
+    "tiny-swa": KVShape("tiny-swa", layers=6, kv_heads=2, head_dim=16, dtype="float32", window_layers=5),
+    "small-swa": KVShape("small-swa", layers=12, kv_heads=4, head_dim=64, dtype="float32", window_layers=10),
 }
 
 
@@ -209,7 +232,19 @@ def from_config(path: str | Path, dtype: str | None = None) -> KVShape:
         conv_elements=model.conv_elements,
         ssm_elements=model.ssm_elements,
         total_layers=model.total,
+        window_layers=_window_layers(cfg) if not model.recurrent else 0,
     )
+
+
+def _window_layers(cfg: dict[str, Any]) -> int:
+    """The layers of a config's window group as the engine makes it: the sliding-window or the chunked layers
+    (``layer_types``), whichever are more; 0 without ``layer_types``."""
+    types = cfg.get("layer_types")
+    if not isinstance(types, list):
+        return 0
+    sliding = sum(t == "sliding_attention" for t in types) if cfg.get("sliding_window") else 0
+    chunked = sum(t == "chunked_attention" for t in types) if cfg.get("attention_chunk_size") else 0
+    return max(sliding, chunked)
 
 
 def normalize_dtype(dtype: str) -> str:

@@ -4,7 +4,8 @@
   encoder-decoder, non-attention layers), or ``None`` when it can.
 * ``fresh_cache(model, prefix_kv)``: a NEW ``DynamicCache`` of full-length layers holding the prefix K/V.
   Sliding-window layers are replaced by full ``DynamicLayer``s: the attention masks are built from the model
-  config's window and the token positions, so keeping every position is exact, and the pool needs full K/V.
+  config's window and the token positions, so positions the window no longer reads may hold anything (the pool's
+  window group gives zeros there: ``engine.kv_pool``).
 * ``buffer_cache(model, buffers, length)``: the same over preallocated buffers with room to spare
   (``InPlaceLayer``s): new tokens are written into that room instead of concatenated (a full copy of the
   prefix at every forward).

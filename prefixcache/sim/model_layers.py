@@ -36,7 +36,7 @@ NEITHER = "none"
 _TYPES = {  # layer type names (transformers' current and legacy ones) -> what the layer keeps
     "full_attention": ATTENTION,
     "attention": ATTENTION,
-    "sliding_attention": ATTENTION,  # the engine keeps full-length K/V for windowed layers too
+    "sliding_attention": ATTENTION,  # a window group's: kv_size counts its bytes at window_share (docs/sliding.md)
     "chunked_attention": ATTENTION,
     "indexed_attention": ATTENTION,
     "linear_attention": RECURRENT,

@@ -1,10 +1,14 @@
-"""A roofline for the engine's forward: the FLOPs a step's forward does, against what torch.mm reaches here.
+"""A roofline for the engine's forward: the FLOPs a step's forward does, against what torch.mm reaches here; and
+the bytes a decode step moves, against what this machine's memory delivers.
 
 ``forward_flops`` counts a forward's floating-point operations from the model's shapes: 2 per weight of every
 ``nn.Linear`` below the output head per computed token, 2 per weight of the output head per row whose logits are
 taken, and 4 * layers * (query heads x head dim) per (query token, key) pair of attention (QK^T and PV).
 ``mm_gflops`` times ``torch.mm`` at given (m, k, n) shapes on this machine's threads: at the shapes of a step's
 linears it is the matmul peak that step could reach; at a large square shape, the machine's peak.
+``stream_gbs`` measures the achievable memory bandwidth STREAM-style (a sum over, and a copy of, arrays far larger
+than the caches, on torch's threads); ``decode_bytes`` counts what a decode step must read: every linear's weights
+(the output head's included) once, and each row's cached K/V.
 """
 
 from __future__ import annotations
@@ -71,3 +75,33 @@ def roofline(model: Any, forward_s: float, tokens: int, steps: int, logit_rows: 
         "fraction_of_step_shape_peak": achieved / at_step if at_step else 0.0,
         "fraction_of_large_peak": achieved / large if large else 0.0,
     }
+
+
+def stream_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> dict[str, float]:
+    """Achievable memory bandwidth in GB/s (medians of ``repeats``): ``read`` (a sum over ``nbytes`` of float32),
+    ``copy`` (``nbytes`` read and written: 2 x ``nbytes`` moved)."""
+    import statistics
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    reads, copies = [], []
+    x.sum()
+    y.copy_(x)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        reads.append(nbytes / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        copies.append(2 * nbytes / (time.perf_counter() - t0) / 1e9)
+    return {"read": statistics.median(reads), "copy": statistics.median(copies), "bytes": float(nbytes)}
+
+
+def decode_bytes(model: Any, kv_tokens: int, kv_bytes_per_token: int) -> dict[str, int]:
+    """Bytes one decode step must read: the weights of every linear (the head's too), in the model's dtype, and the
+    K/V of ``kv_tokens`` cached tokens over all rows."""
+    shapes, head = linear_shapes(model)
+    item = next(model.parameters()).element_size()
+    weights = (sum(i * o for i, o in shapes) + head) * item
+    kv = kv_tokens * kv_bytes_per_token
+    return {"weights": weights, "kv": kv, "total": weights + kv}

@@ -1,0 +1,123 @@
+"""Decode steps against this machine's memory bandwidth: how close the engine's decode comes to the roofline.
+
+    python benchmarks/bench_decode_roofline.py [--model small] [--rows 8] [--context 1024] [--steps 24]
+                                               [--dtypes float32 bfloat16] [--json FILE]
+
+A decode step reads every weight of the model once and each row's cached K/V; at batch sizes a server runs, that
+traffic, not the arithmetic, bounds it. This measures, in one run:
+
+- the achievable bandwidth, STREAM-style (``_roofline.stream_gbs``: a sum over and a copy of a 1 GiB array, on
+  torch's threads);
+- per dtype, ``--rows`` requests of ``--context`` distinct tokens through the engine until all decode, then
+  ``--steps`` decode-only steps: the forward's time per step, the bytes it must read (``_roofline.decode_bytes``:
+  weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth.
+
+No peer runs here: vLLM's step rate on the same shape comes from ``benchmarks/serve_peers.py`` (its README says
+how). Writes JSON (``benchmarks/results/decode_roofline.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _meta
+from _roofline import decode_bytes, stream_gbs
+from engine import PrefixCachedModel
+from engine.batching.offline import sampling_params
+from engine.batching.request import Request
+from engine.kv_pool import bytes_per_token
+
+
+def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    """``--rows`` requests decoding together: the forward's seconds per decode step and the bytes it reads."""
+    torch_dtype = getattr(torch, dtype)
+    tokens = args.rows * (args.context + args.steps + 64)
+    pcm = PrefixCachedModel.from_pretrained(args.model, dtype=torch_dtype, max_cached_tokens=tokens)
+    model = pcm.model
+    engine = pcm.runtime.engine()
+    assert engine is not None, pcm.engine_unsupported_reason
+    gen = torch.Generator().manual_seed(0)
+    new = args.steps + 4
+    params = dataclasses.replace(  # every row decodes all its steps
+        sampling_params(model.generation_config, {"max_new_tokens": new, "do_sample": False}, 0), ignore_eos=True
+    )
+    ns = pcm.runtime.namespace("default")
+    reqs = [
+        Request(f"r{i}", torch.randint(3, 259, (args.context,), generator=gen).tolist(), ns, params)
+        for i in range(args.rows)
+    ]
+    for r in reqs:
+        engine.submit(r)
+    with torch.inference_mode():
+        while not all(r.output for r in reqs):  # prefill until every row decodes
+            engine.step()
+        engine.step()  # one decode step of all rows as a warm-up
+        times, kv_tokens = [], []
+        for _ in range(args.steps):
+            before = engine.stats.forward_s
+            kv_tokens.append(sum(r.computed for r in reqs))
+            engine.step()
+            times.append(engine.stats.forward_s - before)
+    per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
+    moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]
+    gbs = [b / t / 1e9 for b, t in zip(moved, times)]
+    parts = decode_bytes(model, int(statistics.median(kv_tokens)), per_token)
+    return {
+        "dtype": dtype,
+        "rows": args.rows,
+        "context": args.context,
+        "c_kernel": bool(engine.runner.use_kernel and torch_dtype == torch.float32),  # else the torch path
+        "step_ms": 1e3 * statistics.median(times),
+        "weights_bytes": parts["weights"],
+        "kv_bytes": parts["kv"],
+        "bytes_per_step": parts["total"],
+        "gbs": statistics.median(gbs),
+        "tokens_per_s": args.rows / statistics.median(times),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_roofline.json"))
+    args = ap.parse_args()
+    meta = _meta.begin()
+    warnings.simplefilter("ignore")
+    bandwidth = stream_gbs()
+    print(f"memory bandwidth here: read {bandwidth['read']:.1f} GB/s, copy {bandwidth['copy']:.1f} GB/s")
+    rows = []
+    for dtype in args.dtypes:
+        t0 = time.perf_counter()
+        r = decode(args, dtype)
+        r["fraction_of_read_bandwidth"] = r["gbs"] / bandwidth["read"]
+        rows.append(r)
+        print(
+            f"{dtype}: {r['step_ms']:.1f} ms per decode step of {args.rows} rows x {args.context} tokens, "
+            f"{r['bytes_per_step'] / 1e6:.0f} MB read ({r['weights_bytes'] / 1e6:.0f} weights + "
+            f"{r['kv_bytes'] / 1e6:.0f} K/V): {r['gbs']:.1f} GB/s = {r['fraction_of_read_bandwidth']:.0%} of read "
+            f"bandwidth ({time.perf_counter() - t0:.0f} s)"
+        )
+    payload = {"model": args.model, "bandwidth": bandwidth, "decode": rows, "settings": vars(args)}
+    payload["meta"] = _meta.end(meta)
+    Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

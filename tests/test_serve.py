@@ -618,6 +618,25 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, bare):
         assert proc.wait(timeout=60) == 0, log.read_text()
 
 
+def test_cli_dtype_bfloat16_serves_the_bare_bfloat16_models_replies(tmp_path):
+    """``--dtype bfloat16``: weights and K/V in bf16; every reply, the cached re-send's too, is the bare bf16
+    model's greedy text (not the float32 model's: the test checks the two differ somewhere)."""
+    model16, tok = build_preset(MODEL, dtype=torch.bfloat16)
+    model32, _ = build_preset(MODEL)
+    prompts = [f"{'shared system text ' * 6}question {i}" for i in range(3)]
+    want = [bare_greedy(model16, list(tok(p).input_ids), 16) for p in prompts]
+    assert any(w != bare_greedy(model32, list(tok(p).input_ids), 16) for w, p in zip(want, prompts))
+    log = tmp_path / "server.log"
+    with cli_server(["--model", MODEL, "--dtype", "bfloat16", "--block-size", str(BS)], log) as (_, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for round_ in range(2):  # the second round is served from the cache
+            for p, w in zip(prompts, want):
+                r = client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0)
+                assert r.choices[0].text == tok.decode(w, skip_special_tokens=True), (round_, p)
+                if round_:
+                    assert r.usage.prompt_tokens_details.cached_tokens >= BS
+
+
 # ---- the command's own user errors (no server comes up) ------------------------------------------------------
 def _cli(*args: str):
     from typer.testing import CliRunner
@@ -648,6 +667,7 @@ def test_cli_names_the_missing_extra_and_exits_2(monkeypatch):
         (["--model", "no-such-model"], "neither a preset"),
         (["--replicas", "2", "--router", "random"], "unknown policy 'random'"),
         (["--address", "ray://x:10001"], "--address joins a Ray cluster"),
+        (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
     ],
 )
 def test_cli_user_errors_exit_2(args, message):

@@ -29,6 +29,7 @@ class ServeConfig:
     drain_timeout: int = 30  # seconds SIGTERM waits for requests in flight before it cancels them
     debug_endpoints: bool = False  # GET /debug/cache: pools, pins and check_integrity() (for soak tests)
     seed: int = 0
+    dtype: str | None = None  # the weights' and K/V's dtype: float32 (None), bfloat16, float16
     log_level: str = "info"
     use_engine: bool = True
     max_step_tokens: int | None = None  # None: SchedulerConfig's defaults
@@ -78,7 +79,7 @@ def run_local(cfg: ServeConfig) -> int:
     from engine.threads import run_in_thread
 
     def load() -> LocalBackend:
-        runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed)
+        runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), dtype=cfg.dtype, seed=cfg.seed)
         return LocalBackend(
             runtime,
             cfg.model,

@@ -117,7 +117,9 @@ class ModelReplica:
 
             torch.set_num_threads(threads)
         # torch runs on a thread that ends here, so the engine thread's OpenMP team is the process's only one
-        self.runtime = run_in_thread(lambda: ModelRuntime.load(cfg.model, cfg.runtime_config(), seed=cfg.seed))
+        self.runtime = run_in_thread(
+            lambda: ModelRuntime.load(cfg.model, cfg.runtime_config(), dtype=cfg.dtype, seed=cfg.seed)
+        )
         self.replica = serve.get_replica_context().replica_id.unique_id
         index = ray.get_actor(index_name, namespace=INDEX_NAMESPACE)
         self.publisher = EventPublisher(self.runtime, index, self.replica)

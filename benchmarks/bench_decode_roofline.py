@@ -38,6 +38,7 @@ from engine import PrefixCachedModel
 from engine.batching.offline import sampling_params
 from engine.batching.request import Request
 from engine.kv_pool import bytes_per_token
+from engine.malloc import keep_freed_memory
 
 
 def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_roofline.json"))
     args = ap.parse_args()
     meta = _meta.begin()
+    malloc_kept = keep_freed_memory()  # as `prefixcache serve` runs (engine.malloc)
     warnings.simplefilter("ignore")
     bandwidth = stream_gbs()
     print(f"memory bandwidth here: read {bandwidth['read']:.1f} GB/s, copy {bandwidth['copy']:.1f} GB/s")
@@ -113,7 +115,13 @@ def main() -> None:
             f"{r['kv_bytes'] / 1e6:.0f} K/V): {r['gbs']:.1f} GB/s = {r['fraction_of_read_bandwidth']:.0%} of read "
             f"bandwidth ({time.perf_counter() - t0:.0f} s)"
         )
-    payload = {"model": args.model, "bandwidth": bandwidth, "decode": rows, "settings": vars(args)}
+    payload = {
+        "model": args.model,
+        "bandwidth": bandwidth,
+        "decode": rows,
+        "settings": vars(args),
+        "malloc_kept": malloc_kept,
+    }
     payload["meta"] = _meta.end(meta)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -48,7 +48,9 @@ trace block of 64 tokens becomes ``--block-tokens`` tokens of text keyed by its 
 shared text), the reply the trace's length capped at ``--max-tokens``, the trace's inter-turn gap times
 ``--gap-scale`` (at most ``--max-gap-s``) before the next turn; a session stops before a prompt longer than
 ``--max-prompt-tokens`` (the model's context). ``--chats`` sessions per round, drawn per round seed; K clients
-play them. ``--dtype bfloat16`` runs every server, and the bare reference model, in bf16.
+play them. ``--printable-replies`` makes the model folder's greedy replies printable ASCII (``printable_only``),
+so the first chunk with text is the first token on every server (TTFT is otherwise how each server's detokenizer
+treats a random model's lone bytes). ``--dtype bfloat16`` runs every server, and the bare reference, in bf16.
 
 Measured per server: requests/s, output tokens/s (usage.completion_tokens), TTFT (client side, the first chunk
 that carries reply text) and end-to-end latency p50/p99 over the pooled requests of the measured rounds,
@@ -85,6 +87,7 @@ import json
 import os
 import queue
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -241,10 +244,12 @@ def server_cmd(key: str, a: argparse.Namespace, port: int) -> tuple[list[str], d
             "--dtype",
             a.dtype,
             *wait,
+            *shlex.split(getattr(a, "pc_args", "") or ""),
             *host,
         ]
         env = {"PYTHONPATH": os.pathsep.join(x for x in (str(a.project), os.environ.get("PYTHONPATH", "")) if x)}
-        return argv, env, f"prefixcache serve{' --batch-wait-ms 20' if wait else ' (batch-wait 5 ms)'}"
+        label = f"prefixcache serve{' --batch-wait-ms 20' if wait else ' (batch-wait 5 ms)'}"
+        return argv, env, label + (f" {a.pc_args}" if getattr(a, "pc_args", "") else "")
     if key in TRANSFORMERS_KEYS:
         page = 16 if key == "tfcb16" else 256  # 256: ContinuousBatchingConfig's default page_size
         cb = ["--continuous-batching", "--cb-num-blocks", str(max(1, a.pool_tokens // page))] if key != "tf" else []
@@ -898,6 +903,24 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def printable_only(model, tok) -> None:
+    """Zero the output rows of every token but the printable ASCII bytes (a byte-level tokenizer's ids 0x20..0x7e,
+    checked): their logits are 0, and the largest of 95 random logits is above 0 for any hidden state but with
+    odds of 2^-95, so greedy replies are printable text, a token per character, with no EOS. Every server then
+    streams a character per token, and the first chunk with text is the first token on all of them (a random
+    model's lone bytes >= 0x80 are held back, or dropped, differently by each server's detokenizer)."""
+    import torch
+
+    keep = list(range(0x20, 0x7F))
+    if [tok.decode([i]) for i in keep] != [chr(i) for i in keep]:
+        raise SystemExit("--printable-replies needs a byte-level tokenizer (id i = byte i)")
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        mask = torch.ones(head.shape[0], dtype=torch.bool)
+        mask[keep] = False
+        head[mask] = 0.0
+
+
 def ensure_model(a: argparse.Namespace) -> None:
     """Save the built-in preset ``--preset`` to ``--model-dir`` unless it holds a model (nothing is downloaded)."""
     if (a.model_dir / "config.json").exists():
@@ -906,6 +929,8 @@ def ensure_model(a: argparse.Namespace) -> None:
     from engine.models import load_model
 
     model, tok = load_model(a.preset)  # float32 on the CPU
+    if a.printable_replies:
+        printable_only(model, tok)
     a.model_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(a.model_dir)
     tok.save_pretrained(a.model_dir)
@@ -1017,6 +1042,12 @@ def main() -> None:
         default=32768,
         help="prefixcache --max-cached-tokens; transformers CB --cb-num-blocks = this / 256",
     )
+    ap.add_argument(
+        "--printable-replies",
+        action="store_true",
+        help="the model folder's output rows of all but printable ASCII zeroed (default folder <preset>-printable-model)",
+    )
+    ap.add_argument("--pc-args", default="", help="more `prefixcache serve` options for pc/pc20 (one string)")
     ap.add_argument("--vllm-kv-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--budget-s", type=float, default=300.0, help="time limit of one round's load")
     ap.add_argument("--request-timeout-s", type=float, default=180.0)
@@ -1041,7 +1072,7 @@ def main() -> None:
     if not (a.project / "engine").is_dir():
         raise SystemExit(f"{a.project} is not a prefixcache checkout: give --project DIR or PREFIXCACHE_PROJECT=DIR")
     if a.model_dir is None:
-        a.model_dir = SCRATCH / f"{a.preset}-model"
+        a.model_dir = SCRATCH / f"{a.preset}{'-printable' if a.printable_replies else ''}-model"
     servers = [k for k in a.servers.split(",") if k]
     open_servers = [k for k in (a.open_loop_servers or a.servers).split(",") if k] if a.open_loop_rate > 0 else []
     if not servers and not open_servers:

@@ -14,7 +14,8 @@ agreement; per shape the ratios of the first server over the second (req/s, TTFT
 targets hold (req/s ratio >= 1.25, TTFT p99 ratio <= 1, the first server's cores busy >= 1.85).
 
 ``agent-CxM`` is the trace-driven agent shape: serve_peers ``--workload agent`` (sessions of the kv-cache-tester
-Claude Code trace replayed turn by turn, replies capped at M tokens) with C clients, ``--agent-sessions`` sessions
+Claude Code trace replayed turn by turn, replies capped at M tokens, the model's replies printable text:
+``--printable-replies``) with C clients, ``--agent-sessions`` sessions
 of up to ``--agent-turns`` turns per round. Its targets: req/s ratio >= 1.3, TTFT p50 ratio <= 0.5, mean cached
 tokens per request >= the second server's. ``--dtype bfloat16`` runs every server (and the bare reference) in
 bf16; a shape's JSON is then ``<shape>-bfloat16.json``, the combined default ``serve_sweep_bfloat16.json``, and
@@ -86,6 +87,7 @@ def run_shape(args: argparse.Namespace, shape: Shape, out: Path) -> None:
     """Run serve_peers for ``shape`` into ``out`` (its JSON)."""
     if shape.kind == "agent":
         load = ["--workload", "agent", "--chats", str(args.agent_sessions), "--turns", str(args.agent_turns)]
+        load.append("--printable-replies")  # TTFT is the first token's time on every server
     else:
         load = ["--system-tokens", str(shape.system_tokens)]
     cmd = [

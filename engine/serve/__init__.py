@@ -73,10 +73,13 @@ def run_local(cfg: ServeConfig) -> int:
     Returns the exit status: 0 after a graceful stop."""
     import uvicorn
 
+    from engine.malloc import keep_freed_memory
     from engine.runtime import ModelRuntime
     from engine.serve.app import create_app
     from engine.serve.backend import LocalBackend
     from engine.threads import run_in_thread
+
+    keep_freed_memory()  # before the first tensor: freed temporaries stay in the heap (engine.malloc)
 
     def load() -> LocalBackend:
         runtime = ModelRuntime.load(cfg.model, cfg.runtime_config(), dtype=cfg.dtype, seed=cfg.seed)

@@ -31,6 +31,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from engine.malloc import keep_freed_memory
 from engine.runtime import DEFAULT_MAX_CACHED_TOKENS, ModelRuntime
 from engine.serve import ServeConfig
 from engine.serve.app import create_app
@@ -112,6 +113,7 @@ class ModelReplica:
     the router's index."""
 
     def __init__(self, cfg: ServeConfig, index_name: str, threads: int | None = None) -> None:
+        keep_freed_memory()  # each replica is its own process (engine.malloc)
         if threads is not None:
             import torch
 

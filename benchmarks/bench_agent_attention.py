@@ -1,0 +1,142 @@
+"""Prefill attention over a long cached prefix: the paged C kernel against gather + SDPA, with and without
+``engine.malloc.keep_freed_memory``.
+
+    python benchmarks/bench_agent_attention.py [--heads 12] [--head-dim 64] [--contexts 512 1536 3072]
+                                               [--queries 1 4 16 64 256] [--json FILE]
+
+An agent's request re-sends a long transcript whose K/V is cached and computes a short new chunk over it: one row
+of q new tokens attending kv cached + new ones. ``engine.paged.attention`` runs such a row through the C kernel
+(in place in the pool; rows of at most ``KERNEL_MAX_QUERIES`` tokens) or gathers the row's K/V out of the pool
+and runs SDPA (longer rows). This times one layer's attention of one row both ways (the ``small`` preset's
+shape by default: 12 heads of 64), median of 15 calls, in two child processes: glibc's default malloc, and the one
+``prefixcache serve`` sets (freed memory kept: the gather's buffers stop faulting their pages in each call).
+float32; the two paths' outputs are compared too. Writes JSON (``benchmarks/results/agent_attention.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _meta  # noqa: E402
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """This process's timings: per (context, queries), kernel and torch-path ms and their largest difference."""
+    import torch
+
+    from engine.kv_pool import KVPool, LayerSpec
+    from engine.malloc import keep_freed_memory
+    from engine.paged import attention as att
+    from engine.paged import kernel
+
+    if keep_freed_memory() != (os.environ.get("PREFIXCACHE_MALLOC") != "default"):
+        raise SystemExit("keep_freed_memory() did not apply here (not glibc?)")
+    if kernel.load() is None:
+        raise SystemExit("the paged C kernel did not build here (no C compiler?)")
+    torch.manual_seed(0)
+    h, d, bs = args.heads, args.head_dim, 16
+    top = max(args.contexts)
+    blocks = -(-top // bs)
+    pool = KVPool([LayerSpec((h, d), (h, d))], num_blocks=blocks, block_size=bs, dtype=torch.float32, device="cpu")
+    pair = pool.layer(0)
+    assert pair is not None
+    for side in pair:
+        side.normal_()
+    default_max = att.KERNEL_MAX_QUERIES
+
+    def once(q: torch.Tensor, kv: int, kernel_path: bool) -> tuple[float, torch.Tensor]:
+        att.KERNEL_MAX_QUERIES = 10**9 if kernel_path else 0
+        try:
+            batch = att.StepBatch.make(pool, [att.Row(0, q.shape[2], kv, list(range(-(-kv // bs))))])
+        finally:
+            att.KERNEL_MAX_QUERIES = default_max
+        batch.layer = 0
+        token = att._current.set(batch)
+        try:
+            times = []
+            for _ in range(15):
+                t0 = time.perf_counter()
+                out, _ = att.paged_attention(torch.nn.Identity(), q, q, q, None, scaling=d**-0.5)
+                times.append(time.perf_counter() - t0)
+        finally:
+            att._current.reset(token)
+        return statistics.median(times) * 1e3, out
+
+    once(torch.randn(1, h, 4, d), min(args.contexts), False)  # first calls: SDPA's and the kernel's set-up
+    once(torch.randn(1, h, 4, d), min(args.contexts), True)
+    rows = []
+    for kv in args.contexts:
+        for n in args.queries:
+            if n > kv:
+                continue
+            q = torch.randn(1, h, n, d, generator=torch.Generator().manual_seed(n))
+            k_ms, k_out = once(q, kv, True)
+            t_ms, t_out = once(q, kv, False)
+            rows.append(
+                {
+                    "context": kv,
+                    "queries": n,
+                    "kernel_ms": k_ms,
+                    "torch_ms": t_ms,
+                    "kernel_over_torch": k_ms / t_ms,
+                    "max_abs_diff": float((k_out - t_out).abs().max()),
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1536, 3072])
+    ap.add_argument("--queries", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "agent_attention.json"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args)))
+        return
+    meta = _meta.begin()
+    by: dict[str, list[dict[str, Any]]] = {}
+    argv = [sys.executable, __file__, "--child", "--heads", str(args.heads), "--head-dim", str(args.head_dim)]
+    argv += ["--contexts", *map(str, args.contexts), "--queries", *map(str, args.queries)]
+    for mode in ("default", "kept"):
+        env = {k: v for k, v in os.environ.items() if k != "PREFIXCACHE_MALLOC"}
+        if mode == "default":
+            env["PREFIXCACHE_MALLOC"] = "default"
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"the {mode}-malloc child failed:\n{done.stderr[-2000:]}")
+        by[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(
+        "| context | queries | kernel ms | gather + SDPA ms (malloc default) | gather + SDPA ms (freed memory kept) |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for a, b in zip(by["default"], by["kept"], strict=True):
+        print(f"| {a['context']} | {a['queries']} | {b['kernel_ms']:.2f} | {a['torch_ms']:.2f} | {b['torch_ms']:.2f} |")
+    payload = {
+        "settings": {k: v for k, v in vars(args).items() if k != "child"},
+        "malloc_default": by["default"],
+        "malloc_kept": by["kept"],
+        "max_abs_diff": max(r["max_abs_diff"] for rows in by.values() for r in rows),
+        "meta": _meta.end(meta),
+    }
+    Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

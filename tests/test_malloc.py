@@ -1,0 +1,49 @@
+"""engine.malloc: glibc's thresholds set for a serving process, and the switch that leaves them alone."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from engine import malloc
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")
+
+
+def run(code: str, **env: str) -> str:
+    """``code`` in a fresh interpreter (mallopt is process-wide); its stdout."""
+    import os
+
+    full = {k: v for k, v in os.environ.items() if k != malloc.ENV} | env
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True).stdout
+
+
+def test_keep_freed_memory_applies_unless_switched_off() -> None:
+    code = "from engine.malloc import keep_freed_memory; print(keep_freed_memory())"
+    assert run(code).strip() == "True"
+    assert run(code, PREFIXCACHE_MALLOC="default").strip() == "False"
+    assert run(code, PREFIXCACHE_MALLOC=" Default ").strip() == "False"
+
+
+def test_freed_blocks_below_the_threshold_stay_in_the_heap() -> None:
+    """An 8 MiB block comes from the heap and stays there, free, when freed (mallinfo2), instead of its own mmap."""
+    code = (
+        "import ctypes\n"
+        "from engine.malloc import keep_freed_memory\n"
+        "class MI(ctypes.Structure):\n"
+        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd usmblks fsmblks '\n"
+        "                'uordblks fordblks keepcost').split()]\n"
+        "libc = ctypes.CDLL('libc.so.6'); libc.mallinfo2.restype = MI\n"
+        "libc.malloc.restype = ctypes.c_void_p; libc.free.argtypes = [ctypes.c_void_p]\n"
+        "import sys\n"
+        "if sys.argv[-1] == 'kept': keep_freed_memory()\n"
+        "p = libc.malloc(8 << 20); mapped = libc.mallinfo2().hblkhd; libc.free(p)\n"
+        "print(mapped >= 8 << 20, libc.mallinfo2().fordblks >= 8 << 20)\n"
+    )
+    default = subprocess.run([sys.executable, "-c", code, "default"], capture_output=True, text=True, check=True)
+    kept = subprocess.run([sys.executable, "-c", code, "kept"], capture_output=True, text=True, check=True)
+    assert default.stdout.split()[0] == "True"  # glibc's default: a mapping of its own, unmapped on free
+    assert kept.stdout.split() == ["False", "True"]  # kept: from the heap, which keeps it free for the next one

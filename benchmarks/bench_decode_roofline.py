@@ -7,8 +7,8 @@ A decode step reads every weight of the model once and each row's cached K/V; at
 traffic, not the arithmetic, bounds it. This measures, in one run:
 
 - the achievable bandwidth, STREAM-style (``_roofline.stream_gbs``: a sum over and a copy of a 1 GiB array, on
-  torch's threads);
-- per dtype, ``--rows`` requests of ``--context`` distinct tokens through the engine until all decode, then
+  torch's threads), before and after the decode runs: the better of the two (the shared host's bandwidth drifts);
+- in the serving process's malloc (``engine.malloc``), per dtype, ``--rows`` requests of ``--context`` distinct tokens through the engine until all decode, then
   ``--steps`` decode-only steps: the forward's time per step, the bytes it must read (``_roofline.decode_bytes``:
   weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth.
 
@@ -101,19 +101,24 @@ def main() -> None:
     meta = _meta.begin()
     malloc_kept = keep_freed_memory()  # as `prefixcache serve` runs (engine.malloc)
     warnings.simplefilter("ignore")
-    bandwidth = stream_gbs()
-    print(f"memory bandwidth here: read {bandwidth['read']:.1f} GB/s, copy {bandwidth['copy']:.1f} GB/s")
+    before = stream_gbs()
+    print(f"memory bandwidth here: read {before['read']:.1f} GB/s, copy {before['copy']:.1f} GB/s")
     rows = []
     for dtype in args.dtypes:
         t0 = time.perf_counter()
-        r = decode(args, dtype)
+        rows.append(decode(args, dtype))
+        print(f"{dtype}: {rows[-1]['step_ms']:.1f} ms per step ({time.perf_counter() - t0:.0f} s)")
+    after = stream_gbs()
+    # the shared host's bandwidth drifts within a run: the best of the two samples is what it can deliver
+    bandwidth = {k: max(before[k], after[k]) for k in ("read", "copy")} | {"before": before, "after": after}
+    print(f"memory bandwidth after: read {after['read']:.1f} GB/s, copy {after['copy']:.1f} GB/s")
+    for r in rows:
         r["fraction_of_read_bandwidth"] = r["gbs"] / bandwidth["read"]
-        rows.append(r)
         print(
-            f"{dtype}: {r['step_ms']:.1f} ms per decode step of {args.rows} rows x {args.context} tokens, "
+            f"{r['dtype']}: {r['step_ms']:.1f} ms per decode step of {args.rows} rows x {args.context} tokens, "
             f"{r['bytes_per_step'] / 1e6:.0f} MB read ({r['weights_bytes'] / 1e6:.0f} weights + "
-            f"{r['kv_bytes'] / 1e6:.0f} K/V): {r['gbs']:.1f} GB/s = {r['fraction_of_read_bandwidth']:.0%} of read "
-            f"bandwidth ({time.perf_counter() - t0:.0f} s)"
+            f"{r['kv_bytes'] / 1e6:.0f} K/V): {r['gbs']:.1f} GB/s = {r['fraction_of_read_bandwidth']:.0%} of the "
+            f"read bandwidth ({bandwidth['read']:.1f} GB/s, the better of before and after)"
         )
     payload = {
         "model": args.model,

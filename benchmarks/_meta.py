@@ -35,12 +35,13 @@ def version(dist: str) -> str | None:
         return None
 
 
-def git_commit() -> str | None:
-    """HEAD's commit of this checkout, ``+dirty`` when tracked files differ from it; None without git."""
+def git_commit(checkout: Path = ROOT) -> str | None:
+    """HEAD's commit of ``checkout`` (default: this one), ``+dirty`` when tracked files differ from it; None
+    without git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True, check=True)
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout, capture_output=True, text=True
         )
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -57,9 +57,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     default_max = att.KERNEL_MAX_QUERIES
 
     def once(q: torch.Tensor, kv: int, kernel_path: bool) -> tuple[float, torch.Tensor]:
-        att.KERNEL_MAX_QUERIES = 10**9 if kernel_path else 0
+        row = att.Row(0, q.shape[2], kv, list(range(-(-kv // bs))))
+        att.KERNEL_MAX_QUERIES = 10**9  # the kernel for a row of any length (the engine: at most default_max)
         try:
-            batch = att.StepBatch.make(pool, [att.Row(0, q.shape[2], kv, list(range(-(-kv // bs))))])
+            batch = att.StepBatch.make(pool, [row], use_kernel=kernel_path)
         finally:
             att.KERNEL_MAX_QUERIES = default_max
         batch.layer = 0

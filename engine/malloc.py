@@ -38,11 +38,11 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-        gnu = libc.gnu_get_libc_version  # glibc only: musl and others have no mallopt thresholds
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del gnu
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl and others have no such thresholds
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -131,6 +131,7 @@ def test_serve_peers_servers_listen_on_localhost(tmp_path: Path) -> None:
         vllm_python=Path("/x/vllm/bin/python"),
         vllm_kv_gib=1,
         dtype="bfloat16",
+        pc_args="--max-step-tokens 128",
     )
     for key in ("pc", "pc20", "tf", "tfcb", "tfcb16", "tfcbprobe", "vllm", "vllm2"):
         argv, _, _ = serve_peers.server_cmd(key, a, 12345)
@@ -138,6 +139,7 @@ def test_serve_peers_servers_listen_on_localhost(tmp_path: Path) -> None:
         assert argv[i : i + 4] == ["--host", "127.0.0.1", "--port", "12345"], key
     assert serve_peers.server_cmd("pc", a, 1)[1]["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
     assert Path(serve_peers.server_cmd("tfcbprobe", a, 1)[0][1]).exists()  # benchmarks/_tf_cb_probe.py
+    assert serve_peers.server_cmd("pc", a, 1)[0][-6:-4] == ["--max-step-tokens", "128"]  # --pc-args, before --host
     for key in ("pc", "tf", "vllm2"):  # --dtype reaches every server
         argv = serve_peers.server_cmd(key, a, 1)[0]
         assert argv[argv.index("--dtype") + 1] == "bfloat16", key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -13,16 +14,24 @@ from engine import malloc
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")
 
 
-def run(code: str, **env: str) -> str:
-    """``code`` in a fresh interpreter (mallopt is process-wide); its stdout."""
-    import os
+# engine.malloc loaded from its file alone: importing the engine package would import torch in every child
+LOAD = (
+    "import importlib.util\n"
+    f"spec = importlib.util.spec_from_file_location('m', {malloc.__file__!r})\n"
+    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+    "keep_freed_memory = m.keep_freed_memory\n"
+)
 
+
+def run(code: str, *args: str, **env: str) -> str:
+    """``code`` in a fresh interpreter (mallopt is process-wide), ``keep_freed_memory`` defined; its stdout."""
     full = {k: v for k, v in os.environ.items() if k != malloc.ENV} | env
-    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True).stdout
+    argv = [sys.executable, "-c", LOAD + code, *args]
+    return subprocess.run(argv, env=full, capture_output=True, text=True, check=True).stdout
 
 
 def test_keep_freed_memory_applies_unless_switched_off() -> None:
-    code = "from engine.malloc import keep_freed_memory; print(keep_freed_memory())"
+    code = "print(keep_freed_memory())"
     assert run(code).strip() == "True"
     assert run(code, PREFIXCACHE_MALLOC="default").strip() == "False"
     assert run(code, PREFIXCACHE_MALLOC=" Default ").strip() == "False"
@@ -32,7 +41,6 @@ def test_freed_blocks_below_the_threshold_stay_in_the_heap() -> None:
     """An 8 MiB block comes from the heap and stays there, free, when freed (mallinfo2), instead of its own mmap."""
     code = (
         "import ctypes\n"
-        "from engine.malloc import keep_freed_memory\n"
         "class MI(ctypes.Structure):\n"
         "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd usmblks fsmblks '\n"
         "                'uordblks fordblks keepcost').split()]\n"
@@ -43,7 +51,5 @@ def test_freed_blocks_below_the_threshold_stay_in_the_heap() -> None:
         "p = libc.malloc(8 << 20); mapped = libc.mallinfo2().hblkhd; libc.free(p)\n"
         "print(mapped >= 8 << 20, libc.mallinfo2().fordblks >= 8 << 20)\n"
     )
-    default = subprocess.run([sys.executable, "-c", code, "default"], capture_output=True, text=True, check=True)
-    kept = subprocess.run([sys.executable, "-c", code, "kept"], capture_output=True, text=True, check=True)
-    assert default.stdout.split()[0] == "True"  # glibc's default: a mapping of its own, unmapped on free
-    assert kept.stdout.split() == ["False", "True"]  # kept: from the heap, which keeps it free for the next one
+    assert run(code, "default").split()[0] == "True"  # glibc's default: a mapping of its own, unmapped on free
+    assert run(code, "kept").split() == ["False", "True"]  # kept: from the heap, which keeps it free for the next one

@@ -1,5 +1,6 @@
 """The engine's scheduler (engine.batching.scheduler) step by step: the caps (``max_running``, ``max_step_tokens``,
-``max_chunk_tokens``), per-request ``max_tokens`` in a mixed batch, first come first served admission, and the
+``max_chunk_tokens``), per-request ``max_tokens`` in a mixed batch, first come first served admission
+(``prefill_order="arrival"``) or fewest uncached tokens first with aging (``"shortest"``, the default), and the
 outputs of every row against the bare model's greedy ``generate`` (run alone). Step compositions are computed by
 hand (one case) or checked against the documented rules on random workloads (hypothesis); the cache is checked
 after every step (the helpers of test_engine_batching)."""
@@ -46,7 +47,9 @@ def test_step_compositions_by_hand():
     gen = torch.Generator().manual_seed(21)
     prompts = {"P0": rand_tokens(gen, 10), "P1": rand_tokens(gen, 3), "P2": rand_tokens(gen, 5)}
     limits = {"P0": 2, "P1": 4, "P2": 3}
-    engine = make_engine(ARCH, 4, 64, max_step_tokens=8, max_chunk_tokens=4, max_running=2, share_wait=False)
+    engine = make_engine(
+        ARCH, 4, 64, max_step_tokens=8, max_chunk_tokens=4, max_running=2, share_wait=False, prefill_order="arrival"
+    )
     steps = recording(engine)
     sinks = {rid: submit(engine, rid, p, SamplingParams(max_tokens=limits[rid]))[1] for rid, p in prompts.items()}
     run(engine)
@@ -70,6 +73,58 @@ def test_step_compositions_by_hand():
     assert_idle(engine)
 
 
+def test_step_compositions_by_hand_shortest_first():
+    # the case above with prefill_order="shortest": fewest uncached tokens first, waiting requests included
+    gen = torch.Generator().manual_seed(21)
+    prompts = {"P0": rand_tokens(gen, 10), "P1": rand_tokens(gen, 3), "P2": rand_tokens(gen, 5)}
+    limits = {"P0": 2, "P1": 4, "P2": 3}
+    engine = make_engine(ARCH, 4, 64, max_step_tokens=8, max_chunk_tokens=4, max_running=2, share_wait=False)
+    assert engine.config.prefill_order == "shortest"  # the default
+    steps = recording(engine)
+    sinks = {rid: submit(engine, rid, p, SamplingParams(max_tokens=limits[rid]))[1] for rid, p in prompts.items()}
+    run(engine)
+    work = [[(rid, n) for rid, n, _, _ in s] for s in steps if s]
+    assert work == [
+        [("P1", 3), ("P2", 4)],  # P1 (3 uncached) then P2 (5) admitted; P0 (10) waits: 2 running
+        [("P1", 1), ("P2", 1)],  # P1's 2nd token; P2's last prompt token (samples its 1st)
+        [("P1", 1), ("P2", 1)],
+        [("P1", 1), ("P2", 1)],  # P1's 4th and P2's 3rd: both done
+        [("P0", 4)],
+        [("P0", 4)],
+        [("P0", 2)],  # its last 2 prompt tokens (samples its 1st)
+        [("P0", 1)],  # its 2nd: done
+    ]
+    for rid, sink in sinks.items():
+        assert list(sink.result.output) == list(bare_greedy(ARCH, tuple(prompts[rid]), limits[rid]))
+    assert_idle(engine)
+
+
+def test_shortest_first_never_starves_a_long_prompt():
+    """A 24-token prompt while a fresh 4-token prompt arrives before every step (budget 4, chunks of 4: a
+    newcomer takes the whole step). The long one's key is 24 - 4 x (steps passed over), a newcomer's 4: newcomers
+    go first for 5 steps, then the long one (equal keys: the earlier arrival) takes all 6 of its chunks in a row;
+    every output is the bare model's."""
+    gen = torch.Generator().manual_seed(23)
+    long = rand_tokens(gen, 24)
+    engine = make_engine(ARCH, 4, 64, max_step_tokens=4, max_chunk_tokens=4, max_running=8, share_wait=False)
+    steps = recording(engine)
+    sinks = {"L": submit(engine, "L", long, SamplingParams(max_tokens=1))[1]}
+    shorts: dict[str, list[int]] = {}
+    for i in range(12):
+        rid = f"S{i}"
+        shorts[rid] = rand_tokens(gen, 4)
+        sinks[rid] = submit(engine, rid, shorts[rid], SamplingParams(max_tokens=1))[1]
+        step_checked(engine)
+    run(engine)
+    ran = [[rid for rid, *_ in s] for s in steps if s]
+    assert [i for i, ids in enumerate(ran) if "L" in ids] == list(range(5, 11)), ran
+    assert all(len(ids) == 1 for ids in ran)
+    for rid, sink in sinks.items():
+        prompt = long if rid == "L" else shorts[rid]
+        assert list(sink.result.output) == list(bare_greedy(ARCH, tuple(prompt), 1))
+    assert_idle(engine)
+
+
 workloads = st.fixed_dictionaries(
     {
         "prompts": st.lists(st.integers(1, 14), min_size=1, max_size=5),
@@ -79,6 +134,7 @@ workloads = st.fixed_dictionaries(
         "max_running": st.integers(1, 4),
         "bs": st.sampled_from([1, 4]),
         "seed": st.integers(0, 2**16),
+        "order": st.sampled_from(["arrival", "shortest"]),
     }
 )
 
@@ -88,8 +144,9 @@ workloads = st.fixed_dictionaries(
 def test_every_step_keeps_the_caps_and_every_row_its_own_max_tokens(w):
     """Random mixed workloads (a roomy pool: no preemption): every step computes at most ``max_step_tokens``
     tokens for at most ``max_running`` requests, a prefill chunk at most ``max_chunk_tokens``, every decoding
-    request exactly one token and every running decoder in every step; requests start in arrival order; each
-    row's output is the bare model's greedy continuation at its own max_tokens, not a token more."""
+    request exactly one token and every running decoder in every step; each
+    row's output is the bare model's greedy continuation at its own max_tokens, not a token more; with
+    ``prefill_order="arrival"`` requests start in arrival order."""
     gen = torch.Generator().manual_seed(w["seed"])
     prompts = [rand_tokens(gen, n) for n in w["prompts"]]
     limits = w["limits"][: len(prompts)]
@@ -101,6 +158,7 @@ def test_every_step_keeps_the_caps_and_every_row_its_own_max_tokens(w):
         max_chunk_tokens=w["max_chunk"],
         max_running=w["max_running"],
         share_wait=False,
+        prefill_order=w["order"],
     )
     steps = recording(engine)
     sinks = [
@@ -128,7 +186,8 @@ def test_every_step_keeps_the_caps_and_every_row_its_own_max_tokens(w):
             if rid not in order:
                 order.append(rid)
         must_run = {rid for rid in ids if 0 < sampled[rid] < limit[rid]}
-    assert order == list(limit)  # first come, first served
+    if w["order"] == "arrival":
+        assert order == list(limit)  # first come, first served
     assert sampled == limit  # no row sampled a token more than its max_tokens
     for p, k, sink in zip(prompts, limits, sinks):
         res = sink.result

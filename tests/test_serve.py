@@ -668,6 +668,7 @@ def test_cli_names_the_missing_extra_and_exits_2(monkeypatch):
         (["--replicas", "2", "--router", "random"], "unknown policy 'random'"),
         (["--address", "ray://x:10001"], "--address joins a Ray cluster"),
         (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
+        (["--prefill-order", "random"], "prefill_order must be one of ('shortest', 'arrival'), got 'random'"),
     ],
 )
 def test_cli_user_errors_exit_2(args, message):

@@ -93,6 +93,7 @@ class Request:
     fresh_from: int = 0  # positions below this have K/V in the table already (recomputed ones write to scratch)
     generator: torch.Generator | None = None
     preemptions: int = 0
+    passed_over: int = 0  # steps the scheduler gave this request's prefill no tokens ("shortest" order's aging)
     first_token_at: float | None = None
     _cancelled: bool = False
 

@@ -1,9 +1,14 @@
 """The continuous-batching scheduler: which requests run in the next step, and how many tokens each.
 
 One step is a flat batch under ``max_step_tokens``: first every running request that is decoding gets its one
-token, then running requests still prefilling get a chunk (at most ``max_chunk_tokens`` each), oldest first, then
-waiting requests are admitted while the budget, ``max_running`` and the pool allow. Admission matches (and pins)
-the request's longest cached prefix, so only the rest is computed. The waiting queue is first come first served;
+token, then prefill chunks (at most ``max_chunk_tokens`` each) go to running requests still prefilling and to
+waiting requests, which are admitted while the budget, ``max_running`` and the pool allow. Admission matches (and
+pins) the request's longest cached prefix, so only the rest is computed. Who gets the prefill budget is
+``prefill_order``: ``"shortest"`` (the default) gives it to the fewest uncached prompt tokens first, running and
+waiting requests alike (a waiting one's from ``PrefixCache.probe``), so a short turn behind a long prompt gets its
+first token after one chunk instead of after the whole prompt; a request passed over counts ``max_chunk_tokens``
+fewer tokens for every step it was passed over, so a long one is never starved. ``"arrival"`` gives it to running
+requests oldest first, then admits waiting ones in arrival order. The waiting queue is kept in arrival order;
 when it is longer than ``lpm_queue`` it is taken longest cached prefix first (SGLang's LPM), so requests that
 share a cached prefix run while it is hot. A waiting request that shares an uncached prefix (a block or more)
 with a request being prefilled now waits for it: one computes the prefix, the other then finds it cached.
@@ -29,6 +34,8 @@ from prefixcache.core.cache import OutOfBlocks, PrefixCache, RequestHandle
 from prefixcache.core.snapshots import snapshot_points
 from prefixcache.core.windows import OutOfWindowSlots
 
+PREFILL_ORDERS = ("shortest", "arrival")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -40,8 +47,11 @@ class SchedulerConfig:
     max_running: int = 32
     lpm_queue: int = 16
     share_wait: bool = True
+    prefill_order: str = "shortest"  # "shortest" (fewest uncached tokens first, with aging) or "arrival"
 
     def __post_init__(self) -> None:
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
         for name in ("max_step_tokens", "max_chunk_tokens", "max_running"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -93,25 +103,91 @@ class Scheduler:
         cfg = self.config
         plan = Plan([], [], [])
         budget = cfg.max_step_tokens
-        # running requests: decoding ones first (one token each), then prefill chunks, in admission order
-        order = sorted(self.running, key=lambda r: r.remaining > 1)
-        for req in order:
-            if req.status is not Status.RUNNING:  # preempted while planning this step
-                continue
-            n = 1 if req.remaining == 1 else self._chunk(req, min(req.remaining, cfg.max_chunk_tokens, budget))
-            if n <= 0 or budget <= 0:
-                continue
-            try:
-                if not self._blocks_for(req, n, plan):
-                    continue
-            except Exception as exc:  # this request's fault alone: it fails, the others are planned
-                self._drop(req, plan, exc)
-                continue
-            plan.work.append((req, n))
-            budget -= n
-        # admission
+        # decoding requests first (one token each), then prefill chunks
+        for req in [r for r in self.running if r.remaining <= 1]:
+            budget -= self._run(req, plan, budget)
+        prefilling = [r for r in self.running if r.remaining > 1]
+        if cfg.prefill_order == "shortest":
+            self._shortest_first(plan, budget, prefilling)
+            return plan
+        for req in prefilling:  # in admission order
+            budget -= self._run(req, plan, budget)
         self._admit(plan, budget)
         return plan
+
+    def _run(self, req: Request, plan: Plan, budget: int) -> int:
+        """Plan a running request's next token or prefill chunk within ``budget``; returns the tokens planned (0:
+        none: no budget, or it was preempted or failed meanwhile)."""
+        if req.status is not Status.RUNNING or budget <= 0:  # preempted while planning this step
+            return 0
+        n = 1 if req.remaining == 1 else self._chunk(req, min(req.remaining, self.config.max_chunk_tokens, budget))
+        if n <= 0:
+            return 0
+        try:
+            if not self._blocks_for(req, n, plan):
+                return 0
+        except Exception as exc:  # this request's fault alone: it fails, the others are planned
+            self._drop(req, plan, exc)
+            return 0
+        plan.work.append((req, n))
+        return n
+
+    def _shortest_first(self, plan: Plan, budget: int, prefilling: list[Request]) -> None:
+        """``prefill_order="shortest"``: the prefill budget to running and waiting requests by fewest uncached
+        prompt tokens, less ``max_chunk_tokens`` for every step each was passed over (ties: arrival order).
+        Waiting requests are admitted as in ``_admit`` (the same checks); once the pool turns one away, no other
+        is admitted this step."""
+        cfg = self.config
+        if len(self.waiting) > cfg.lpm_queue:
+            self._longest_prefix_first()
+        probe = self.cache.probe
+        keyed: list[tuple[int, int, Request]] = [(r.remaining, 0, r) for r in prefilling]
+        for r in self.waiting:
+            uncached = 0 if r.cancelled else r.end - probe(r.tokens[: r.cache_limit], r.namespace)
+            keyed.append((uncached, 1, r))
+        keyed.sort(key=lambda x: (x[0] - x[2].passed_over * cfg.max_chunk_tokens, x[2].arrival))
+        most = min(cfg.max_running, cfg.max_step_tokens)
+        taken: set[int] = set()  # waiting requests admitted or failed
+        admitting = True
+        for _, waiting, req in keyed:
+            if not waiting:
+                n = self._run(req, plan, budget)
+            elif req.cancelled:
+                plan.failed.append((req, "cancelled"))
+                taken.add(id(req))
+                continue
+            elif not admitting or budget <= 0 or len(self.running) >= most:
+                n = 0
+            else:
+                n = self._admit_one(req, plan, budget, taken)
+                admitting = n >= 0
+            if n > 0:
+                budget -= n
+            elif req.status is not Status.FINISHED:
+                req.passed_over += 1
+        if taken:
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+
+    def _admit_one(self, req: Request, plan: Plan, budget: int, taken: set[int]) -> int:
+        """Admit waiting ``req`` for a first chunk within ``budget`` (``_admit``'s checks); returns its tokens, 0
+        when it must wait (it shares an uncached prefix with a prefilling request, or failed), -1 when the pool
+        is short (nothing changed). Adds its id to ``taken`` when it left the queue."""
+        if -(-len(req.tokens) // self.block_size) > self.cache.num_blocks:
+            plan.failed.append((req, self._too_big_prompt(req)))
+            taken.add(id(req))
+            return 0
+        if self.config.share_wait and self._shares_uncached(req, plan):
+            return 0
+        try:
+            n = self._start(req, plan, budget)
+        except Exception as exc:  # e.g. its tier load or log-prob lookup: it fails, admission goes on
+            self._drop(req, plan, exc)
+            taken.add(id(req))
+            return 0
+        if n == 0:
+            return -1
+        taken.add(id(req))
+        return n
 
     def _blocks_for(self, req: Request, n: int, plan: Plan) -> bool:
         """Give a running request the blocks for ``n`` more tokens, preempting newer running requests (or, last,

@@ -35,6 +35,7 @@ class ServeConfig:
     max_step_tokens: int | None = None  # None: SchedulerConfig's defaults
     max_chunk_tokens: int | None = None
     max_running: int | None = None
+    prefill_order: str | None = None  # None: SchedulerConfig's default ("shortest")
     disk_cache: str | None = None  # the directory of a disk tier below the pool (None: none)
     disk_cache_size: str | None = None  # its budget, e.g. "50G" (None: the default)
     shared_cache: str | None = None  # a Redis URL: a tier shared by every process pointing at it
@@ -52,6 +53,7 @@ class ServeConfig:
                 ("max_step_tokens", self.max_step_tokens),
                 ("max_chunk_tokens", self.max_chunk_tokens),
                 ("max_running", self.max_running),
+                ("prefill_order", self.prefill_order),
             )
             if v is not None
         }

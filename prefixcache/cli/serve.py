@@ -99,6 +99,12 @@ def register(app: typer.Typer) -> None:
         max_running: int | None = typer.Option(
             None, "--max-running", min=1, help="Engine: requests running at once (default 32)."
         ),
+        prefill_order: str | None = typer.Option(
+            None,
+            "--prefill-order",
+            help="Engine: who gets the prefill budget first: shortest (fewest uncached tokens, aged; default) or "
+            "arrival.",
+        ),
         max_batch_size: int = typer.Option(
             8, "--max-batch-size", min=1, help="Without the engine: requests per batched generate."
         ),
@@ -221,12 +227,18 @@ def register(app: typer.Typer) -> None:
             max_step_tokens=max_step_tokens,
             max_chunk_tokens=max_chunk_tokens,
             max_running=max_running,
+            prefill_order=prefill_order,
             disk_cache=disk_cache,
             disk_cache_size=disk_cache_size,
             shared_cache=shared_cache,
             max_cached_states=max_cached_states,
             snapshot_interval=snapshot_interval,
         )
+        try:
+            cfg.runtime_config()  # the engine's settings checked now, before a model loads
+        except ValueError as exc:
+            console.error(f"serve: {exc}")
+            raise typer.Exit(EXIT_USAGE) from None
         if disk_cache is not None and shared_cache is not None:
             console.error("--disk-cache and --shared-cache: give one (one tier below the pool)")
             raise typer.Exit(EXIT_USAGE)

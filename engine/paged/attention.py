@@ -32,7 +32,7 @@ from engine.kv_pool import KVPool
 from engine.paged import kernel
 
 ATTENTION_NAME = "prefixcache_paged"
-KERNEL_MAX_QUERIES = 4  # rows with at most this many new tokens go through the C kernel (when available)
+KERNEL_MAX_QUERIES = 16  # rows with at most this many new tokens go through the C kernel (bench_agent_attention)
 TWO_QUERIES_BF16 = True  # a bf16 decoding row in a step of several rows runs SDPA on its query twice (_torch_attention)
 
 _current: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("prefixcache_step", default=None)

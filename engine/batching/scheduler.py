@@ -147,47 +147,41 @@ class Scheduler:
             keyed.append((uncached, 1, r))
         keyed.sort(key=lambda x: (x[0] - x[2].passed_over * cfg.max_chunk_tokens, x[2].arrival))
         most = min(cfg.max_running, cfg.max_step_tokens)
-        taken: set[int] = set()  # waiting requests admitted or failed
         admitting = True
         for _, waiting, req in keyed:
             if not waiting:
                 n = self._run(req, plan, budget)
-            elif req.cancelled:
-                plan.failed.append((req, "cancelled"))
-                taken.add(id(req))
-                continue
-            elif not admitting or budget <= 0 or len(self.running) >= most:
+            elif not req.cancelled and (not admitting or budget <= 0 or len(self.running) >= most):
                 n = 0
             else:
-                n = self._admit_one(req, plan, budget, taken)
+                n, left = self._admit_one(req, plan, budget)
+                if left:  # out of the queue now (a preemption later in this step may put it back)
+                    self.waiting.remove(req)
                 admitting = n >= 0
             if n > 0:
                 budget -= n
             elif req.status is not Status.FINISHED:
                 req.passed_over += 1
-        if taken:
-            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
 
-    def _admit_one(self, req: Request, plan: Plan, budget: int, taken: set[int]) -> int:
-        """Admit waiting ``req`` for a first chunk within ``budget`` (``_admit``'s checks); returns its tokens, 0
-        when it must wait (it shares an uncached prefix with a prefilling request, or failed), -1 when the pool
-        is short (nothing changed). Adds its id to ``taken`` when it left the queue."""
+    def _admit_one(self, req: Request, plan: Plan, budget: int) -> tuple[int, bool]:
+        """Admit waiting ``req`` for a first chunk within ``budget`` (cancelled, too big, sharing an uncached
+        prefix with a prefilling request, failing: ``_admit``'s checks). Returns its tokens this step (0: none; -1:
+        the pool is short, nothing changed) and whether it left the waiting queue (admitted, cancelled or failed);
+        the caller takes it out of the queue."""
+        if req.cancelled:
+            plan.failed.append((req, "cancelled"))
+            return 0, True
         if -(-len(req.tokens) // self.block_size) > self.cache.num_blocks:
             plan.failed.append((req, self._too_big_prompt(req)))
-            taken.add(id(req))
-            return 0
+            return 0, True
         if self.config.share_wait and self._shares_uncached(req, plan):
-            return 0
+            return 0, False
         try:
             n = self._start(req, plan, budget)
         except Exception as exc:  # e.g. its tier load or log-prob lookup: it fails, admission goes on
             self._drop(req, plan, exc)
-            taken.add(id(req))
-            return 0
-        if n == 0:
-            return -1
-        taken.add(id(req))
-        return n
+            return 0, True
+        return (n, True) if n else (-1, False)
 
     def _blocks_for(self, req: Request, n: int, plan: Plan) -> bool:
         """Give a running request the blocks for ``n`` more tokens, preempting newer running requests (or, last,
@@ -258,23 +252,12 @@ class Scheduler:
         most = min(cfg.max_running, cfg.max_step_tokens)  # every running request decodes a token each step
         while self.waiting and budget > 0 and len(self.running) < most:
             req = self.waiting.popleft()
-            if req.cancelled:
-                plan.failed.append((req, "cancelled"))
-                continue
-            if -(-len(req.tokens) // self.block_size) > self.cache.num_blocks:
-                plan.failed.append((req, self._too_big_prompt(req)))
-                continue
-            if cfg.share_wait and self._shares_uncached(req, plan):
-                skipped.append(req)
-                continue
-            try:
-                n = self._start(req, plan, budget)
-            except Exception as exc:  # e.g. its tier load or log-prob lookup: it fails, admission goes on
-                self._drop(req, plan, exc)
-                continue
-            if n == 0:
+            n, left = self._admit_one(req, plan, budget)
+            if n < 0:  # the pool is short: it stays first
                 self.waiting.appendleft(req)
                 break
+            if not left:  # it waits for a request prefilling what it shares
+                skipped.append(req)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 

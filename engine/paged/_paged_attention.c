@@ -180,9 +180,9 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
                     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(t1 + 1 - t), s + t));
                 const float bm = _mm512_reduce_max_ps(mx);
                 if (bm > m) {
-                    const __m512 c = _mm512_set1_ps(fast_exp(m - bm));
-                    l *= fast_exp(m - bm);
-                    for (int d = 0; d < nd; d++) acc[d] = _mm512_mul_ps(acc[d], c);
+                    const float c = fast_exp(m - bm);
+                    l *= c;
+                    for (int d = 0; d < nd; d++) acc[d] = _mm512_mul_ps(acc[d], _mm512_set1_ps(c));
                     m = bm;
                 }
                 __m512 lsum = _mm512_setzero_ps();

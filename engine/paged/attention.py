@@ -33,7 +33,9 @@ from engine.paged import kernel
 
 ATTENTION_NAME = "prefixcache_paged"
 KERNEL_MAX_QUERIES = 16  # rows with at most this many new tokens go through the C kernel (bench_agent_attention)
-TWO_QUERIES_BF16 = True  # a bf16 decoding row in a step of several rows runs SDPA on its query twice (_torch_attention)
+KERNEL_SPLIT = 512  # the kernel's online softmax runs over splits of this many keys, as torch's flash attention does
+KERNEL_BF16 = True  # bf16 pools: the kernel serves steps of several rows (a lone row keeps SDPA, bit for bit)
+TWO_QUERIES_BF16 = True  # a bf16 decoding row on the torch path beside other rows runs SDPA on its query twice
 
 _current: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("prefixcache_step", default=None)
 
@@ -96,7 +98,7 @@ class StepBatch:
             positions.extend(range(first, r.kv_len))
             at += r.q_len
         device = pool.device
-        lib = kernel.load() if use_kernel and pool.dtype == torch.float32 and device.type == "cpu" else None
+        lib = kernel.load() if use_kernel and device.type == "cpu" and _kernel_dtype(pool.dtype, len(rows)) else None
         krows = [i for i, r in enumerate(rows) if lib is not None and r.q_len <= KERNEL_MAX_QUERIES]
         trows = [i for i in range(len(rows)) if lib is None or rows[i].q_len > KERNEL_MAX_QUERIES]
         batch = cls(
@@ -169,6 +171,15 @@ class StepBatch:
                 m &= k_pos > q_pos - window
             self._masks[key] = m
         return m
+
+
+def _kernel_dtype(dtype: torch.dtype, rows: int) -> bool:
+    """Whether the C kernel serves a step of ``rows`` rows over a pool of ``dtype``. float32: always. bfloat16: in
+    steps of several rows (``KERNEL_BF16``), where the linears, computing the rows together, already differ from the
+    bare model's one-row decode by bf16 rounding (benchmarks/bench_bf16_decode.py); the kernel follows torch's
+    flash-attention arithmetic (bf16 probabilities, fp32 sums) and adds nothing measurable to that. A row alone
+    in its step keeps torch's SDPA: bit for bit the bare model's."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and KERNEL_BF16 and rows > 1)
 
 
 class PagedKV:
@@ -306,14 +317,21 @@ def _kernel_attention(
     lib = kernel.load()
     assert lib is not None and b.tables is not None
     assert b.q_start is not None and b.q_len is not None and b.kv_len is not None  # set with b.tables
+    bf16 = kpool.dtype == torch.bfloat16
+    if bf16 and cap:  # bf16 soft-capped scores: the torch path's eager formula (bf16 scores), not fp32 ones
+        for i in b.kernel_rows:
+            _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
+        return
     qf = q if q.dtype == torch.float32 else q.float()
     if qf.stride(2) != 1:
         qf = qf.contiguous()
+    res = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
     bs = b.pool.block_size
     dim = q.shape[2]
     tables = b.window_tables if b.windowed(b.layer) else b.tables
     assert tables is not None
-    rc = lib.paged_attention_f32(
+    fn = lib.paged_attention_bf16 if bf16 else lib.paged_attention_f32
+    rc = fn(
         ctypes.c_void_p(qf.data_ptr()),
         qf.stride(0),
         qf.stride(1),
@@ -333,12 +351,17 @@ def _kernel_attention(
         scale,
         cap,
         window,
-        ctypes.c_void_p(out.data_ptr()),
+        KERNEL_SPLIT,
+        ctypes.c_void_p(res.data_ptr()),
         torch.get_num_threads(),
     )
     if rc != 0:  # shapes beyond the kernel's limits: the torch path for these rows
         for i in b.kernel_rows:
             _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
+    elif res is not out:  # float32 results of the kernel rows into the output's dtype (nearest even)
+        for i in b.kernel_rows:
+            r = b.rows[i]
+            out[r.q_start : r.q_start + r.q_len] = res[r.q_start : r.q_start + r.q_len]
 
 
 def _gather(pool_side: torch.Tensor, blocks: Sequence[int], length: int, block_size: int) -> torch.Tensor:

@@ -93,28 +93,9 @@ def unavailable_reason() -> str | None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    fn = lib.paged_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i32,
-        i32,
-        i32,
-        i32,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i32,
-        f32,
-        f32,
-        i32,
-        ptr,
-        i32,
-    ]
+    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
+        fn.restype = ctypes.c_int
+        # q, q strides, k and v pools, pool blocks, block size, dim, Hkv, Hq, tables, table stride, q_start, q_len,
+        # kv_len, rows, scale, softcap, window, split, out, threads
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr, i32, f32, f32, i32]
+        fn.argtypes += [i32, ptr, i32]

@@ -1,23 +1,24 @@
-"""bf16 decoding rows on the engine's torch path: one query or the same query twice, for speed and for exactness.
+"""bf16 decoding rows: the C kernel over the bf16 pool, or torch's SDPA of one query or of the query twice, for
+speed and for exactness.
 
     python benchmarks/bench_bf16_decode.py [--model small] [--contexts 512 2048 4096] [--prompts 300 1000 1700 2500]
                                            [--steps 32] [--json FILE]
 
-A bf16 decoding row's attention runs torch's SDPA over the row's gathered K/V (the C kernel is fp32 only). Torch's
-CPU flash attention takes a slow path for a single bf16 query; the same query twice takes the fast one with the
-same arithmetic but for the order of some fp32 sums (``engine.paged.attention.TWO_QUERIES_BF16``, used in steps of
-several rows only). This measures, in one run:
+In a step of several rows a bf16 decoding row goes through the C kernel (``engine.paged.attention.KERNEL_BF16``),
+which follows torch's flash-attention arithmetic; a row alone in its step runs torch's SDPA of its one query (the
+bare model's call). Without the kernel, a row beside others runs SDPA on its query twice (``TWO_QUERIES_BF16``):
+torch's CPU flash attention takes a slow path for a single bf16 query. This measures, in one run:
 
-- ``sdpa``: one layer's SDPA of one row (the model's heads and head dim), one query against the query twice, median
-  of 31 calls per context, and how many outputs differ and by how much;
+- ``sdpa``: one layer's attention of one row (the model's heads and head dim): SDPA of one query, of the query
+  twice, and the kernel, medians of 31 calls per context, and how many outputs of the last two differ from the
+  first's and by how much;
 - ``logits``: the engine's logits against the bare bf16 model's own decoding (a ``DynamicCache``, one token at a
   time) over ``--steps`` greedy steps after each prompt of ``--prompts`` random tokens: the row alone in its step,
-  beside a second row with one query (``TWO_QUERIES_BF16`` off) and with the query twice (on); the largest
-  |difference| relative to the largest |logit|, and the steps whose argmax differs. Beside a second row the linears
-  compute two rows at once, which already moves the logits by bf16 rounding; the question is whether the query
-  twice adds to that;
+  and beside a second row by SDPA of one query, of the query twice, and by the kernel; the largest |difference|
+  relative to the largest |logit|, and the steps whose argmax differs. Beside a second row the linears compute two
+  rows at once, which already moves the logits by bf16 rounding; the question is whether the attention adds to it;
 - ``step``: one engine step of 7 decoding rows of 2,000 tokens and a 249-token prefill chunk (its prompt 3,000
-  tokens): ms per step, bf16 with the query twice and once, and fp32 (the C kernel), medians of 6 steps.
+  tokens): ms per step, bf16 by each of the three, and fp32 (the C kernel), medians of 6 steps.
 
 Writes JSON (``benchmarks/results/bf16_decode.json``).
 """
@@ -45,10 +46,11 @@ import _meta  # noqa: E402
 from engine import PrefixCachedModel  # noqa: E402
 from engine.batching.offline import sampling_params  # noqa: E402
 from engine.batching.request import Request  # noqa: E402
+from engine.kv_pool import KVPool, LayerSpec  # noqa: E402
 from engine.malloc import keep_freed_memory  # noqa: E402
 from engine.models import build_preset  # noqa: E402
 from engine.paged import attention  # noqa: E402
-from engine.paged.attention import Row  # noqa: E402
+from engine.paged.attention import Row, StepBatch, paged_attention, use_batch  # noqa: E402
 from engine.paged.runner import PagedRunner  # noqa: E402
 
 
@@ -64,7 +66,8 @@ def _median_ms(fn: Any, n: int = 31) -> float:
 
 
 def sdpa(heads: int, dim: int, contexts: list[int]) -> list[dict[str, Any]]:
-    """One row's SDPA, one query against the query twice, per context."""
+    """One row's attention per context: SDPA of one query, of the query twice, and the C kernel (the row twice in
+    one call, time halved; K/V in a bf16 pool), with how many outputs of the last two differ from the first's."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for ctx in contexts:
@@ -75,6 +78,22 @@ def sdpa(heads: int, dim: int, contexts: list[int]) -> list[dict[str, Any]]:
         two = torch.cat([q, q], dim=2)
         one_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         two_out = F.scaled_dot_product_attention(two, k, v, attn_mask=mask.expand(2, -1))[:, :, :1]
+        bs = 16
+        pool = KVPool([LayerSpec((heads, dim), (heads, dim))], -(-ctx // bs), bs, dtype=torch.bfloat16, device="cpu")
+        pair = pool.layer(0)
+        assert pair is not None
+        for side, src in zip(pair, (k, v)):
+            side.view(heads, -1, dim)[:, :ctx] = src[0]
+        table = list(range(-(-ctx // bs)))
+        batch = StepBatch.make(pool, [Row(0, 1, ctx, table), Row(1, 1, ctx, table)])
+        assert batch.kernel_rows == [0, 1], "the C kernel did not build here (no C compiler?)"
+        batch.layer = 0
+
+        def kern() -> torch.Tensor:
+            with use_batch(batch):
+                return paged_attention(torch.nn.Identity(), two, None, None, None)[0][0, :1].transpose(0, 1)[None]
+
+        kernel_out = kern()
         rows.append(
             {
                 "context": ctx,
@@ -82,9 +101,13 @@ def sdpa(heads: int, dim: int, contexts: list[int]) -> list[dict[str, Any]]:
                 "two_queries_ms": _median_ms(
                     lambda: F.scaled_dot_product_attention(torch.cat([q, q], dim=2), k, v, attn_mask=mask.expand(2, -1))
                 ),
+                "kernel_ms": _median_ms(kern) / 2,
                 "outputs": one_out.numel(),
                 "outputs_differing": int((one_out != two_out).sum()),
                 "max_abs_diff": float((one_out.float() - two_out.float()).abs().max()),
+                "kernel_outputs_differing": int((one_out != kernel_out).sum()),
+                "kernel_max_abs_diff": float((one_out.float() - kernel_out.float()).abs().max()),
+                "max_abs_output": float(one_out.float().abs().max()),
             }
         )
     return rows
@@ -103,12 +126,13 @@ def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, An
         other = torch.randint(3, min(vocab, 259), (n,), generator=gen)
         nb = -(-(n + steps + 1) // pcm.pool.block_size)
         mine, theirs = list(range(nb)), list(range(nb, 2 * nb))
-        for case, beside, two in (
-            ("alone", False, True),
-            ("beside, one query", True, False),
-            ("beside, twice", True, True),
+        for case, beside, two, kern in (
+            ("alone", False, True, True),
+            ("beside, one query", True, False, False),
+            ("beside, twice", True, True, False),
+            ("beside, kernel", True, True, True),
         ):
-            attention.TWO_QUERIES_BF16 = two
+            attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = two, kern
             try:
                 worst, flips = 0.0, 0
                 with torch.inference_mode():
@@ -128,17 +152,20 @@ def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, An
                         flips += int(got.argmax()) != int(ref.argmax())
                         tok = int(ref.argmax())  # both follow the bare model's tokens
             finally:
-                attention.TWO_QUERIES_BF16 = True
+                attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = True, True
             out.append({"prompt": n, "case": case, "max_rel_diff": worst, "argmax_differs": flips, "steps": steps})
             print(f"  logits: prompt {n:5d} {case:18s} max rel diff {worst:.2e}, argmax differs {flips}/{steps}")
     return out
 
 
+STEP_MODES = {"kernel": "the C kernel", "twice": "SDPA, the query twice", "one": "SDPA, one query"}
+
+
 def step(model_name: str) -> list[dict[str, Any]]:
     """ms per engine step: 7 decoding rows of 2,000 tokens beside a prefill chunk (medians of 6 steps)."""
     out = []
-    for dtype, two in (("bfloat16", True), ("bfloat16", False), ("float32", True)):
-        attention.TWO_QUERIES_BF16 = two
+    for dtype, mode in (("bfloat16", "kernel"), ("bfloat16", "twice"), ("bfloat16", "one"), ("float32", "kernel")):
+        attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = mode != "one", mode == "kernel"
         try:
             pcm = PrefixCachedModel.from_pretrained(model_name, dtype=getattr(torch, dtype), max_cached_tokens=40_000)
             engine = pcm.runtime.engine()
@@ -165,10 +192,10 @@ def step(model_name: str) -> list[dict[str, Any]]:
                     engine.step()
                     times.append(engine.stats.forward_s - before)
         finally:
-            attention.TWO_QUERIES_BF16 = True
+            attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = True, True
         ms = statistics.median(times) * 1e3
-        out.append({"dtype": dtype, "two_queries": two if dtype == "bfloat16" else None, "step_ms": ms})
-        print(f"  step: {dtype} {'query twice' if two else 'one query'}: {ms:.1f} ms")
+        out.append({"dtype": dtype, "decode_rows": mode, "step_ms": ms})
+        print(f"  step: {dtype}, decoding rows by {STEP_MODES[mode]}: {ms:.1f} ms")
         del pcm, engine
     return out
 
@@ -191,14 +218,24 @@ def main() -> None:
     result["sdpa"] = sdpa(heads, dim, args.contexts)
     for r in result["sdpa"]:
         print(
-            f"  sdpa: {r['context']:5d} keys: one query {r['one_query_ms']:.3f} ms, twice {r['two_queries_ms']:.3f} ms; "
-            f"{r['outputs_differing']}/{r['outputs']} outputs differ (max {r['max_abs_diff']:.1e})"
+            f"  {r['context']:5d} keys: SDPA one query {r['one_query_ms']:.3f} ms, twice {r['two_queries_ms']:.3f} ms "
+            f"({r['outputs_differing']}/{r['outputs']} outputs differ, max {r['max_abs_diff']:.1e}); kernel "
+            f"{r['kernel_ms']:.3f} ms ({r['kernel_outputs_differing']}/{r['outputs']} differ, max "
+            f"{r['kernel_max_abs_diff']:.1e}; largest |output| {r['max_abs_output']:.1e})"
         )
     result["logits"] = logits(args.model, args.prompts, args.steps)
     result["step"] = step(args.model)
+    cases = {
+        "alone": "alone",
+        "beside_one": "beside, one query",
+        "beside_twice": "beside, twice",
+        "beside_kernel": "beside, kernel",
+    }
+    result["argmax_differs"] = {  # per case, the steps whose argmax differs, over all prompts
+        key: sum(r["argmax_differs"] for r in result["logits"] if r["case"] == case) for key, case in cases.items()
+    }
     result["logits_worst"] = {  # per case, the largest relative difference over all prompts
-        key: max(r["max_rel_diff"] for r in result["logits"] if r["case"] == case)
-        for key, case in (("alone", "alone"), ("beside_one", "beside, one query"), ("beside_twice", "beside, twice"))
+        key: max(r["max_rel_diff"] for r in result["logits"] if r["case"] == case) for key, case in cases.items()
     }
     result = {"meta": _meta.end(meta), **result}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

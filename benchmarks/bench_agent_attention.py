@@ -1,8 +1,8 @@
 """Prefill attention over a long cached prefix: the paged C kernel against gather + SDPA, with and without
 ``engine.malloc.keep_freed_memory``.
 
-    python benchmarks/bench_agent_attention.py [--heads 12] [--head-dim 64] [--contexts 512 1536 3072]
-                                               [--queries 1 4 16 64 256] [--json FILE]
+    python benchmarks/bench_agent_attention.py [--dtype float32|bfloat16] [--heads 12] [--head-dim 64]
+                                               [--contexts 512 1536 3072] [--queries 1 4 16 64 256] [--json FILE]
 
 An agent's request re-sends a long transcript whose K/V is cached and computes a short new chunk over it: one row
 of q new tokens attending kv cached + new ones. ``engine.paged.attention`` runs such a row through the C kernel
@@ -10,7 +10,11 @@ of q new tokens attending kv cached + new ones. ``engine.paged.attention`` runs 
 and runs SDPA (longer rows). This times one layer's attention of one row both ways (the ``small`` preset's
 shape by default: 12 heads of 64), median of 15 calls, in two child processes: glibc's default malloc, and the one
 ``prefixcache serve`` sets (freed memory kept: the gather's buffers stop faulting their pages in each call).
-float32; the two paths' outputs are compared too. Writes JSON (``benchmarks/results/agent_attention.json``).
+The two paths' outputs are compared too. float32: the kernel's decode path serves a row of any length here (the
+engine: at most ``KERNEL_MAX_QUERIES`` new tokens). bfloat16: rows of ``PREFILL_MIN_QUERIES`` new tokens or more
+take the kernel's prefill path (AVX512-BF16 dot products, tiles of 32 queries), fewer its decode path, as the
+engine runs them in a step of several rows (a bf16 row alone in its step keeps SDPA; here it takes the kernel).
+Writes JSON (``benchmarks/results/agent_attention.json``; ``agent_attention_bf16.json`` for bfloat16).
 """
 
 from __future__ import annotations
@@ -43,13 +47,20 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     if keep_freed_memory() != (os.environ.get("PREFIXCACHE_MALLOC") != "default"):
         raise SystemExit("keep_freed_memory() did not apply here (not glibc?)")
-    if kernel.load() is None:
+    lib = kernel.load()
+    if lib is None:
         raise SystemExit("the paged C kernel did not build here (no C compiler?)")
+    dtype = getattr(torch, args.dtype)
+    bf16 = dtype == torch.bfloat16
+    if bf16 and not kernel.prefill_available(lib):
+        raise SystemExit("the kernel's bf16 prefill path is not built here (no AVX512-BF16)")
+    if bf16:  # the kernel for one row too (the engine: in steps of several rows; a lone row keeps SDPA)
+        att._kernel_dtype = lambda dtype, rows: True
     torch.manual_seed(0)
     h, d, bs = args.heads, args.head_dim, 16
     top = max(args.contexts)
     blocks = -(-top // bs)
-    pool = KVPool([LayerSpec((h, d), (h, d))], num_blocks=blocks, block_size=bs, dtype=torch.float32, device="cpu")
+    pool = KVPool([LayerSpec((h, d), (h, d))], num_blocks=blocks, block_size=bs, dtype=dtype, device="cpu")
     pair = pool.layer(0)
     assert pair is not None
     for side in pair:
@@ -58,9 +69,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     def once(q: torch.Tensor, kv: int, kernel_path: bool) -> tuple[float, torch.Tensor]:
         row = att.Row(0, q.shape[2], kv, list(range(-(-kv // bs))))
-        att.KERNEL_MAX_QUERIES = 10**9  # the kernel for a row of any length (the engine: at most default_max)
+        if not bf16:  # the decode path for a row of any length (the engine: at most default_max)
+            att.KERNEL_MAX_QUERIES = 10**9
         try:
             batch = att.StepBatch.make(pool, [row], use_kernel=kernel_path)
+            assert kernel_path == bool(batch.kernel_rows or batch.prefill_rows)
         finally:
             att.KERNEL_MAX_QUERIES = default_max
         batch.layer = 0
@@ -75,16 +88,17 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             att._current.reset(token)
         return statistics.median(times) * 1e3, out
 
-    once(torch.randn(1, h, 4, d), min(args.contexts), False)  # first calls: SDPA's and the kernel's set-up
-    once(torch.randn(1, h, 4, d), min(args.contexts), True)
+    once(torch.randn(1, h, 4, d, dtype=dtype), min(args.contexts), False)  # first calls: SDPA's, the kernel's set-up
+    once(torch.randn(1, h, 4, d, dtype=dtype), min(args.contexts), True)
     rows = []
     for kv in args.contexts:
         for n in args.queries:
             if n > kv:
                 continue
-            q = torch.randn(1, h, n, d, generator=torch.Generator().manual_seed(n))
+            q = torch.randn(1, h, n, d, generator=torch.Generator().manual_seed(n)).to(dtype)
             k_ms, k_out = once(q, kv, True)
             t_ms, t_out = once(q, kv, False)
+            differ = k_out != t_out
             rows.append(
                 {
                     "context": kv,
@@ -92,7 +106,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "kernel_ms": k_ms,
                     "torch_ms": t_ms,
                     "kernel_over_torch": k_ms / t_ms,
-                    "max_abs_diff": float((k_out - t_out).abs().max()),
+                    "path": "prefill" if bf16 and n >= att.PREFILL_MIN_QUERIES else "decode",
+                    "max_abs_diff": float((k_out.float() - t_out.float()).abs().max()),
+                    "max_abs_output": float(t_out.float().abs().max()),
+                    "outputs_differing": int(differ.sum()),
+                    "outputs": differ.numel(),
                 }
             )
     return rows
@@ -100,11 +118,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1536, 3072])
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "agent_attention.json"))
+    ap.add_argument("--json", default=None, help="default benchmarks/results/agent_attention[_bf16].json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -112,7 +131,11 @@ def main() -> None:
         return
     meta = _meta.begin()
     by: dict[str, list[dict[str, Any]]] = {}
+    if args.json is None:
+        name = "agent_attention_bf16.json" if args.dtype == "bfloat16" else "agent_attention.json"
+        args.json = str(ROOT / "benchmarks" / "results" / name)
     argv = [sys.executable, __file__, "--child", "--heads", str(args.heads), "--head-dim", str(args.head_dim)]
+    argv += ["--dtype", args.dtype]
     argv += ["--contexts", *map(str, args.contexts), "--queries", *map(str, args.queries)]
     for mode in ("default", "kept"):
         env = {k: v for k, v in os.environ.items() if k != "PREFIXCACHE_MALLOC"}
@@ -123,11 +146,15 @@ def main() -> None:
             raise SystemExit(f"the {mode}-malloc child failed:\n{done.stderr[-2000:]}")
         by[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     print(
-        "| context | queries | kernel ms | gather + SDPA ms (malloc default) | gather + SDPA ms (freed memory kept) |"
+        f"{args.dtype}:\n| context | queries | kernel ms | gather + SDPA ms (malloc default) | gather + SDPA ms "
+        "(freed memory kept) | outputs differing |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for a, b in zip(by["default"], by["kept"], strict=True):
-        print(f"| {a['context']} | {a['queries']} | {b['kernel_ms']:.2f} | {a['torch_ms']:.2f} | {b['torch_ms']:.2f} |")
+        print(
+            f"| {a['context']} | {a['queries']} | {b['kernel_ms']:.2f} | {a['torch_ms']:.2f} | {b['torch_ms']:.2f} "
+            f"| {b['outputs_differing']}/{b['outputs']} |"
+        )
     payload = {
         "settings": {k: v for k, v in vars(args).items() if k != "child"},
         "malloc_default": by["default"],

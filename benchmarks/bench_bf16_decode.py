@@ -1,5 +1,5 @@
-"""bf16 decoding rows: the C kernel over the bf16 pool, or torch's SDPA of one query or of the query twice, for
-speed and for exactness.
+"""bf16 decoding rows (and prefill chunks): the C kernel over the bf16 pool, or torch's SDPA of one query or of the
+query twice, for speed and for exactness.
 
     python benchmarks/bench_bf16_decode.py [--model small] [--contexts 512 2048 4096] [--prompts 300 1000 1700 2500]
                                            [--steps 32] [--json FILE]
@@ -16,9 +16,12 @@ torch's CPU flash attention takes a slow path for a single bf16 query. This meas
   time) over ``--steps`` greedy steps after each prompt of ``--prompts`` random tokens: the row alone in its step,
   and beside a second row by SDPA of one query, of the query twice, and by the kernel; the largest |difference|
   relative to the largest |logit|, and the steps whose argmax differs. Beside a second row the linears compute two
-  rows at once, which already moves the logits by bf16 rounding; the question is whether the attention adds to it;
+  rows at once, which already moves the logits by bf16 rounding; the question is whether the attention adds to it.
+  The prompt's own logits (every position) are compared too: prefilled alone (SDPA, the bare model's call), or
+  beside the second prompt in one step, by SDPA or by the kernel's bf16 prefill path (``PREFILL_BF16``);
 - ``step``: one engine step of 7 decoding rows of 2,000 tokens and a 249-token prefill chunk (its prompt 3,000
-  tokens): ms per step, bf16 by each of the three, and fp32 (the C kernel), medians of 6 steps.
+  tokens): ms per step, bf16 by each path (the kernel with its prefill path, the kernel with the chunk by SDPA,
+  SDPA twice, SDPA once), and fp32 (the C kernel), medians of 6 steps.
 
 Writes JSON (``benchmarks/results/bf16_decode.json``).
 """
@@ -126,21 +129,33 @@ def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, An
         other = torch.randint(3, min(vocab, 259), (n,), generator=gen)
         nb = -(-(n + steps + 1) // pcm.pool.block_size)
         mine, theirs = list(range(nb)), list(range(nb, 2 * nb))
-        for case, beside, two, kern in (
-            ("alone", False, True, True),
-            ("beside, one query", True, False, False),
-            ("beside, twice", True, True, False),
-            ("beside, kernel", True, True, True),
+        for case, beside, two, kern, prefill in (
+            ("alone", False, True, True, "alone"),
+            ("beside, one query", True, False, False, "alone"),
+            ("beside, twice", True, True, False, "alone"),
+            ("beside, kernel", True, True, True, "alone"),
+            ("beside, kernel; prefill beside, SDPA", True, True, True, "sdpa"),
+            ("beside, kernel; prefill beside, kernel", True, True, True, "kernel"),
         ):
             attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = two, kern
+            attention.PREFILL_BF16 = prefill == "kernel"
             try:
                 worst, flips = 0.0, 0
                 with torch.inference_mode():
-                    runner.forward(runner.batch([Row(0, n, n, mine)]), ids, torch.tensor([n - 1]))
-                    if beside:
-                        runner.forward(runner.batch([Row(0, n, n, theirs)]), other, torch.tensor([n - 1]))
+                    every = torch.arange(n)  # the logits of all the prompt's positions
+                    if prefill == "alone":
+                        first = runner.forward(runner.batch([Row(0, n, n, mine)]), ids, every).float()
+                        if beside:
+                            runner.forward(runner.batch([Row(0, n, n, theirs)]), other, torch.tensor([n - 1]))
+                    else:  # both prompts in one step: the SDPA path or the kernel's prefill path
+                        both = runner.batch([Row(0, n, n, mine), Row(n, n, n, theirs)])
+                        assert both.prefill_rows == ([0, 1] if prefill == "kernel" else []), both.prefill_rows
+                        first = runner.forward(both, torch.cat([ids, other]), every).float()
                     ref_out = model(input_ids=ids[None], use_cache=True)
                     cache, ref = ref_out.past_key_values, ref_out.logits[0, -1]
+                    ref_all = ref_out.logits[0].float()
+                    p_worst = float(((first - ref_all).abs().amax(dim=1) / ref_all.abs().amax(dim=1)).max())
+                    p_flips = int((first.argmax(dim=1) != ref_all.argmax(dim=1)).sum())
                     tok = int(ref.argmax())
                     for i in range(steps):
                         rows = [Row(0, 1, n + i + 1, mine)] + ([Row(1, 1, n + i + 1, theirs)] if beside else [])
@@ -152,20 +167,40 @@ def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, An
                         flips += int(got.argmax()) != int(ref.argmax())
                         tok = int(ref.argmax())  # both follow the bare model's tokens
             finally:
-                attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = True, True
-            out.append({"prompt": n, "case": case, "max_rel_diff": worst, "argmax_differs": flips, "steps": steps})
-            print(f"  logits: prompt {n:5d} {case:18s} max rel diff {worst:.2e}, argmax differs {flips}/{steps}")
+                attention.TWO_QUERIES_BF16, attention.KERNEL_BF16, attention.PREFILL_BF16 = True, True, True
+            out.append(
+                {
+                    "prompt": n,
+                    "case": case,
+                    "max_rel_diff": worst,
+                    "argmax_differs": flips,
+                    "steps": steps,
+                    "prefill_max_rel_diff": p_worst,
+                    "prefill_argmax_differs": p_flips,
+                }
+            )
+            print(
+                f"  logits: prompt {n:5d} {case:40s} prefill: max rel diff {p_worst:.2e}, argmax differs {p_flips}/{n};"
+                f" decoding: max rel diff {worst:.2e}, argmax differs {flips}/{steps}"
+            )
     return out
 
 
-STEP_MODES = {"kernel": "the C kernel", "twice": "SDPA, the query twice", "one": "SDPA, one query"}
+STEP_MODES = {
+    "kernel": "the C kernel",
+    "kernel, SDPA prefill": "the C kernel, the prefill chunk by SDPA",
+    "twice": "SDPA, the query twice",
+    "one": "SDPA, one query",
+}
 
 
 def step(model_name: str) -> list[dict[str, Any]]:
     """ms per engine step: 7 decoding rows of 2,000 tokens beside a prefill chunk (medians of 6 steps)."""
     out = []
-    for dtype, mode in (("bfloat16", "kernel"), ("bfloat16", "twice"), ("bfloat16", "one"), ("float32", "kernel")):
-        attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = mode != "one", mode == "kernel"
+    modes = [("bfloat16", m) for m in STEP_MODES] + [("float32", "kernel")]
+    for dtype, mode in modes:
+        attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = mode != "one", mode.startswith("kernel")
+        attention.PREFILL_BF16 = mode == "kernel"
         try:
             pcm = PrefixCachedModel.from_pretrained(model_name, dtype=getattr(torch, dtype), max_cached_tokens=40_000)
             engine = pcm.runtime.engine()
@@ -192,7 +227,7 @@ def step(model_name: str) -> list[dict[str, Any]]:
                     engine.step()
                     times.append(engine.stats.forward_s - before)
         finally:
-            attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = True, True
+            attention.TWO_QUERIES_BF16, attention.KERNEL_BF16, attention.PREFILL_BF16 = True, True, True
         ms = statistics.median(times) * 1e3
         out.append({"dtype": dtype, "decode_rows": mode, "step_ms": ms})
         print(f"  step: {dtype}, decoding rows by {STEP_MODES[mode]}: {ms:.1f} ms")
@@ -230,13 +265,16 @@ def main() -> None:
         "beside_one": "beside, one query",
         "beside_twice": "beside, twice",
         "beside_kernel": "beside, kernel",
+        "prefill_beside_sdpa": "beside, kernel; prefill beside, SDPA",
+        "prefill_beside_kernel": "beside, kernel; prefill beside, kernel",
     }
-    result["argmax_differs"] = {  # per case, the steps whose argmax differs, over all prompts
-        key: sum(r["argmax_differs"] for r in result["logits"] if r["case"] == case) for key, case in cases.items()
-    }
-    result["logits_worst"] = {  # per case, the largest relative difference over all prompts
-        key: max(r["max_rel_diff"] for r in result["logits"] if r["case"] == case) for key, case in cases.items()
-    }
+    for what in ("argmax_differs", "prefill_argmax_differs"):  # per case, the positions whose argmax differs
+        result[what] = {key: sum(r[what] for r in result["logits"] if r["case"] == case) for key, case in cases.items()}
+    for what, name in (("max_rel_diff", "logits_worst"), ("prefill_max_rel_diff", "prefill_logits_worst")):
+        result[name] = {  # per case, the largest relative difference over all prompts
+            key: max(r[what] for r in result["logits"] if r["case"] == case) for key, case in cases.items()
+        }
+    result["prefill_positions"] = sum(args.prompts)
     result = {"meta": _meta.end(meta), **result}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")

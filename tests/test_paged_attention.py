@@ -34,19 +34,17 @@ def reference(q, k, v, kv_len, scale, softcap, window):
     """Brute-force attention of one row: q [Hq, q_len, D], k and v [Hkv, kv_len, D] -> [q_len, Hq, D] (float64)."""
     q, k, v = q.double(), k.double(), v.double()
     hq, q_len, dim = q.shape
-    hkv = k.shape[0]
-    group = hq // hkv
+    group = hq // k.shape[0]
+    pos = torch.arange(kv_len - q_len, kv_len)[:, None]  # query i's position
+    key = torch.arange(kv_len)[None, :]
+    allowed = (key <= pos) & ((key > pos - window) if window else True)
     out = torch.zeros((q_len, hq, dim), dtype=torch.float64)
     for h in range(hq):
-        kh, vh = k[h // group], v[h // group]
-        for i in range(q_len):
-            p = kv_len - q_len + i
-            allowed = [j for j in range(kv_len) if j <= p and (not window or j > p - window)]
-            s = torch.stack([(q[h, i] * kh[j]).sum() * scale for j in allowed])
-            if softcap:
-                s = softcap * torch.tanh(s / softcap)
-            w = torch.softmax(s, dim=0)
-            out[i, h] = (w[:, None] * vh[allowed]).sum(dim=0)
+        s = (q[h] @ k[h // group].T) * scale  # [q_len, kv_len]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        w = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=1)
+        out[:, h] = w @ v[h // group]
     return out
 
 
@@ -57,7 +55,7 @@ def pool_view(side: torch.Tensor, bs: int) -> torch.Tensor:
 
 
 @st.composite
-def cases(draw):
+def cases(draw, long_rows: bool = False):
     bs = draw(st.sampled_from([1, 5, 16]))
     hkv = draw(st.sampled_from([1, 2, 4]))
     group = draw(st.sampled_from([g for g in (1, 2, 4) if hkv * g <= 4]))  # 1-4 query heads, GQA groups 1-4
@@ -66,7 +64,9 @@ def cases(draw):
     shapes = []
     for _ in range(nrows):
         q_len = draw(st.one_of(st.integers(1, KERNEL_MAX_QUERIES), st.integers(1, 12)))
-        kv_len = draw(st.integers(q_len, 70))
+        if long_rows and draw(st.booleans()):  # a prefill row: one, two or three tiles of 32 queries
+            q_len = draw(st.integers(KERNEL_MAX_QUERIES + 1, 80))
+        kv_len = draw(st.integers(q_len, q_len + 70))
         extra = draw(st.integers(0, 2))  # blocks past the row's end: never read
         shapes.append((q_len, kv_len, -(-kv_len // bs) + extra))
     spare = draw(st.integers(0, 4))
@@ -114,9 +114,14 @@ def run_case(case, use_kernel: bool, dtype: torch.dtype = torch.float32, tol: fl
     before_k, before_v = kview.clone(), vview.clone()
     batch = StepBatch.make(pool, rows, use_kernel=use_kernel)
     if use_kernel and (dtype == torch.float32 or len(rows) > 1):
-        assert batch.kernel_rows == [i for i, r in enumerate(rows) if r.q_len <= KERNEL_MAX_QUERIES]
+        prefill = dtype == torch.bfloat16 and kernel.prefill_available(kernel.load())
+        few = KERNEL_MAX_QUERIES + 1 if not prefill else att.PREFILL_MIN_QUERIES  # rows below: the decode path
+        assert batch.kernel_rows == [i for i, r in enumerate(rows) if r.q_len < few]
+        long = [i for i, r in enumerate(rows) if r.q_len >= few]
+        assert batch.prefill_rows == (long if prefill else [])
+        assert batch.torch_rows == ([] if prefill else long)
     else:  # no kernel asked for, or a bf16 row alone in its step (SDPA: the bare model's call)
-        assert batch.kernel_rows == [] and batch.torch_rows == list(range(len(rows)))
+        assert batch.kernel_rows == batch.prefill_rows == [] and batch.torch_rows == list(range(len(rows)))
     PagedKV(batch).update(torch.cat(new_k, dim=1)[None], torch.cat(new_v, dim=1)[None], layer_idx=0)
     assert batch.layer == 0
     # update wrote exactly the new tokens' slots
@@ -127,13 +132,23 @@ def run_case(case, use_kernel: bool, dtype: torch.dtype = torch.float32, tol: fl
     assert torch.equal(vview[:, untouched], before_v[:, untouched])
     assert torch.equal(kview[:, written], torch.cat(new_k, dim=1))
     assert torch.equal(vview[:, written], torch.cat(new_v, dim=1))
+    by_torch: list[int] = []  # rows the torch path attended
+    torch_attention = att._torch_attention
+
+    def spy(b, i, *args):
+        by_torch.append(i)
+        return torch_attention(b, i, *args)
+
     with use_batch(batch), pytest.MonkeyPatch.context() as mp:
         mp.setattr(att, "KERNEL_SPLIT", split)
+        mp.setattr(att, "_torch_attention", spy)
         out, weights = paged_attention(
             torch.nn.Identity(), query, None, None, None, scaling=scale, sliding_window=window, softcap=softcap
         )
     assert weights is None
     assert out.shape == (1, t, hq, dim)
+    if batch.prefill_rows and dim % 16 == 0:  # the prefill path served its rows (it takes head dims of 16k)
+        assert not set(by_torch) & set(batch.prefill_rows)
     eff_scale = scale if scale is not None else 1.0 / math.sqrt(dim)
     for r, k, v in zip(rows, keys, values):
         q = query[0, :, r.q_start : r.q_start + r.q_len]
@@ -157,12 +172,15 @@ def test_kernel_equals_contiguous_reference(case):
 
 
 @SETTINGS
-@given(case=cases())
+@given(case=cases(long_rows=True))
 def test_bf16_kernel_and_torch_path_equal_contiguous_reference(case):
     """bf16 pools: the kernel (steps of several rows) and SDPA (a lone row) within bf16 rounding of the float64
     reference over the same bf16 K/V (the output is rounded to bf16; the kernel's probabilities are too). No
     soft-cap here: bf16 soft-capped rows take the eager formula, whose bf16 scores (up to the cap, 20) move the
-    weights by more than the output's rounding, as the bare model's eager attention does."""
+    weights by more than the output's rounding, as the bare model's eager attention does. Rows of more than
+    ``KERNEL_MAX_QUERIES`` new tokens are drawn too: the kernel's bf16 prefill path (AVX512-BF16 dot products,
+    tiles of 32 queries) serves them, and those of ``PREFILL_MIN_QUERIES`` or more, where the CPU has it; the
+    torch path elsewhere."""
     if kernel.load() is None:
         pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
     case = case[:7] + (None,) + case[8:]

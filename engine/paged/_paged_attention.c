@@ -24,6 +24,12 @@
  * Where the compiler targets AVX-512 (-march=native on such a CPU) and the head dim is a multiple of 16, run_item16
  * does the same with 16-lane vectors: one reduction per key's score, a split's exps 16 at a time (2.6x the scalar
  * loop's speed on 8 rows of 1,500 tokens, 12 heads of 64; the scalar one was bound by arithmetic).
+ *
+ * paged_prefill_bf16 serves rows of many new tokens (prefill chunks) over bfloat16 pools where the compiler targets
+ * AVX512-BF16: the same online softmax over the same splits, with bf16 pair dot products (vdpbf16ps: each product
+ * exact in fp32, the sums in fp32) for the scores and for the probability-weighted values, in tiles of 32 queries.
+ * torch's CPU flash attention computes bf16 at about fp32 speed; a bf16 matmul on such a CPU runs several times as
+ * fast (benchmarks/bench_agent_attention.py --dtype bfloat16 times both paths and counts the outputs that differ).
  */
 #include <math.h>
 #include <stdint.h>
@@ -249,6 +255,214 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <omp.h>
+#define PF_QT 32       /* queries per prefill tile: two 16-lane vectors */
+#define PF_KB 8        /* keys per score block: 16 accumulators */
+#define PF_NQ 4        /* queries per PV group */
+#define PF_MAX_DIM 256 /* head dims up to this (multiples of 16) */
+
+static inline __m512 dpbf(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+/* The bfloat16 pair (x[0], x[1]) of two floats that are bfloat16 values: their upper halves, x[0] in the low one. */
+static inline uint32_t bf_pair(const float *x) {
+    union { float f; uint32_t u; } a, b;
+    a.f = x[0];
+    b.f = x[1];
+    return (a.u >> 16) | (b.u & 0xFFFF0000u);
+}
+
+/* Which of a tile's queries (bit i: query i, at position pos0 + i, i < nq) attend key position p. */
+static inline uint32_t tile_mask(int p, int pos0, int nq, int window) {
+    int lo = p - pos0 > 0 ? p - pos0 : 0, hi = nq - 1;
+    if (window > 0 && p - pos0 + window - 1 < hi) hi = p - pos0 + window - 1;
+    if (lo > hi) return 0;
+    const uint32_t upto = hi >= 31 ? 0xFFFFFFFFu : ((1u << (hi + 1)) - 1u);
+    return upto & ~((1u << lo) - 1u);
+}
+
+/* Bytes of scratch one thread of paged_prefill_bf16 uses for head dim `dim` and splits of `split` keys. */
+static int64_t prefill_scratch(int dim, int split) {
+    const int64_t pairs = (split + 1) / 2;
+    int64_t b = (int64_t)(dim / 2) * PF_QT * 4 + (int64_t)split * PF_QT * 4 + pairs * PF_QT * 4;
+    b += pairs * 2 * dim * 2 + (int64_t)PF_QT * dim * 4 + 4 * 64;
+    return (b + 63) / 64 * 64;
+}
+
+/* One prefill tile: queries i0 .. i0 + 31 of row r (fewer at the row's end), query head h. The same online softmax
+ * as run_item16 over the same splits, with the bf16 dot products of AVX512-BF16 (each product exact, summed in
+ * fp32, as torch's bf16 gemm does): scores for 8 keys x 32 queries at a time from the keys where they lie, then
+ * per split the max, the exps (rounded to bf16 for the values, summed unrounded), and the values weighted in
+ * pairs of keys (a split's values interleaved by key pairs in the scratch). */
+static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, int r, int h, int i0, const int nd,
+                                                               char *scratch) {
+    const int D = nd * 16, P = D / 2, G = j->hq / j->hkv, g = h / G;
+    const int ql = j->q_len[r], kv = j->kv_len[r], qs = j->q_start[r], S = split_size(j, kv);
+    const int nq = ql - i0 < PF_QT ? ql - i0 : PF_QT;
+    const int32_t *table = j->tables + (int64_t)r * j->table_stride;
+    const int64_t head_base = (int64_t)g * j->pool_blocks * j->bs * D;
+    const int pairs_max = (S + 1) / 2;
+    uint32_t *qp = (uint32_t *)scratch;                       /* [P][32] query pairs */
+    float *s = (float *)(qp + (int64_t)P * PF_QT);            /* [S][32] scores, then probabilities */
+    uint32_t *pp = (uint32_t *)(s + (int64_t)S * PF_QT);      /* [pairs][32] probability pairs */
+    uint16_t *vp = (uint16_t *)(pp + (int64_t)pairs_max * PF_QT); /* [pairs][D][2] values by key pairs */
+    float *o = (float *)(vp + (int64_t)pairs_max * 2 * D);    /* [32][D] output accumulators */
+    float cs[PF_QT], ls[PF_QT];
+    for (int i = 0; i < PF_QT; i++) {
+        const float *qv = j->q + (int64_t)(qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh;
+        for (int d = 0; d < P; d++) qp[d * PF_QT + i] = i < nq ? bf_pair(qv + 2 * d) : 0u;
+    }
+    memset(o, 0, sizeof(float) * PF_QT * D);
+    const int pos0 = kv - ql + i0, posl = pos0 + nq - 1;
+    const int lo = (j->window > 0 && pos0 - j->window + 1 > 0) ? pos0 - j->window + 1 : 0;
+    const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
+        const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
+        for (int kb = 0; kb < n; kb += PF_KB) {
+            const uint32_t *kr[PF_KB];
+            for (int u = 0; u < PF_KB; u++) {
+                const int p = a + kb + u <= c1 ? a + kb + u : c1;
+                kr[u] = (const uint32_t *)((const uint16_t *)j->kpool + key_at(j, table, head_base, p));
+            }
+            __m512 acc[PF_KB][2];
+            for (int u = 0; u < PF_KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+            for (int d = 0; d < P; d++) {
+                const __m512i qa = _mm512_loadu_si512(qp + d * PF_QT), qb = _mm512_loadu_si512(qp + d * PF_QT + 16);
+                for (int u = 0; u < PF_KB; u++) {
+                    const __m512i kb2 = _mm512_set1_epi32((int)kr[u][d]);
+                    acc[u][0] = dpbf(acc[u][0], qa, kb2);
+                    acc[u][1] = dpbf(acc[u][1], qb, kb2);
+                }
+            }
+            const int un = n - kb < PF_KB ? n - kb : PF_KB;
+            for (int u = 0; u < un; u++) {
+                _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT, _mm512_mul_ps(acc[u][0], scale));
+                _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16, _mm512_mul_ps(acc[u][1], scale));
+            }
+        }
+        __m512 mx[2] = {ninf, ninf};
+        for (int k = 0; k < n; k++) {
+            const uint32_t mk = tile_mask(a + k, pos0, nq, j->window);
+            for (int v = 0; v < 2; v++)
+                mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v],
+                                           _mm512_loadu_ps(s + (int64_t)k * PF_QT + 16 * v));
+        }
+        __m512 mn[2], esum[2];
+        for (int v = 0; v < 2; v++) {
+            mn[v] = _mm512_max_ps(m[v], mx[v]);
+            const __mmask16 up = _mm512_cmp_ps_mask(mn[v], m[v], _CMP_GT_OQ);
+            const __m512 c = _mm512_mask_blend_ps(up, _mm512_set1_ps(1.0f), fast_exp16(_mm512_sub_ps(m[v], mn[v])));
+            l[v] = _mm512_mul_ps(l[v], c);
+            _mm512_storeu_ps(cs + 16 * v, c);
+            m[v] = mn[v];
+            esum[v] = _mm512_setzero_ps();
+        }
+        for (int k = 0; k < n; k++) {
+            const uint32_t mk = tile_mask(a + k, pos0, nq, j->window);
+            for (int v = 0; v < 2; v++) {
+                float *sk = s + (int64_t)k * PF_QT + 16 * v;
+                const __m512 e = _mm512_maskz_mov_ps((__mmask16)(mk >> (16 * v)),
+                                                     fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sk), mn[v])));
+                esum[v] = _mm512_add_ps(esum[v], e);
+                _mm512_storeu_ps(sk, round_bf16_16(e));
+            }
+        }
+        for (int v = 0; v < 2; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
+        const int np = (n + 1) / 2;
+        for (int t = 0; t < np; t++) {
+            const int k0 = 2 * t, k1 = 2 * t + 1;
+            const int64_t at0 = key_at(j, table, head_base, a + k0);
+            const int64_t at1 = k1 < n ? key_at(j, table, head_base, a + k1) : -1;
+            for (int v = 0; v < 2; v++) {
+                const __m512i e0 = _mm512_castps_si512(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v));
+                const __m512i e1 = k1 < n ? _mm512_castps_si512(_mm512_loadu_ps(s + (int64_t)k1 * PF_QT + 16 * v))
+                                          : _mm512_setzero_si512();
+                const __m512i pr = _mm512_or_si512(_mm512_srli_epi32(e0, 16),
+                                                   _mm512_and_si512(e1, _mm512_set1_epi32((int)0xFFFF0000u)));
+                _mm512_storeu_si512(pp + (int64_t)t * PF_QT + 16 * v, pr);
+            }
+            const uint16_t *v0 = (const uint16_t *)j->vpool + at0;
+            const uint16_t *v1 = at1 >= 0 ? (const uint16_t *)j->vpool + at1 : NULL;
+            for (int c = 0; c < nd; c++) {
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
+                const __m256i x1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 16 * c)) : _mm256_setzero_si256();
+                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+                _mm512_storeu_si512(vp + (int64_t)t * 2 * D + 32 * c, _mm512_permutexvar_epi16(ilv, z));
+            }
+        }
+        for (int i = 0; i < nq; i += PF_NQ) {
+            const int gq = nq - i < PF_NQ ? nq - i : PF_NQ;
+            __m512 acc[PF_NQ][PF_MAX_DIM / 16];
+            for (int q = 0; q < gq; q++) {
+                const __m512 c = _mm512_set1_ps(cs[i + q]);
+                for (int x = 0; x < nd; x++) acc[q][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)(i + q) * D + 16 * x), c);
+            }
+            for (int t = 0; t < np; t++) {
+                const uint16_t *vt = vp + (int64_t)t * 2 * D;
+                for (int x = 0; x < nd; x++) {
+                    const __m512i vz = _mm512_loadu_si512(vt + 32 * x);
+                    for (int q = 0; q < gq; q++)
+                        acc[q][x] = dpbf(acc[q][x], vz, _mm512_set1_epi32((int)pp[(int64_t)t * PF_QT + i + q]));
+                }
+            }
+            for (int q = 0; q < gq; q++)
+                for (int x = 0; x < nd; x++) _mm512_storeu_ps(o + (int64_t)(i + q) * D + 16 * x, acc[q][x]);
+        }
+    }
+    _mm512_storeu_ps(ls, l[0]);
+    _mm512_storeu_ps(ls + 16, l[1]);
+    for (int i = 0; i < nq; i++) {
+        float *dst = j->out + ((int64_t)(qs + i0 + i) * j->hq + h) * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / ls[i]);
+        for (int x = 0; x < nd; x++) _mm512_storeu_ps(dst + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)i * D + 16 * x), inv));
+    }
+}
+
+static void prefill_item(const job_t *j, int r, int h, int i0, char *scratch) {
+    if (j->dim == 64)
+        prefill_tile(j, r, h, i0, 4, scratch);
+    else if (j->dim == 128)
+        prefill_tile(j, r, h, i0, 8, scratch);
+    else
+        prefill_tile(j, r, h, i0, j->dim / 16, scratch);
+}
+
+int paged_prefill_available(void) { return 1; }
+
+int64_t paged_prefill_scratch(int dim, int split) { return prefill_scratch(dim, split); }
+
+/* Attention of prefill rows (many new tokens each) over bfloat16 pools, with the arguments of paged_attention_bf16
+ * (float32 queries holding bfloat16 values) and `scratch`: `threads` * paged_prefill_scratch(dim, split) bytes.
+ * Work items are (row, query head, tile of 32 queries). Returns 0, or -1 for shapes it does not serve (a head dim
+ * not a multiple of 16 or over 256, a split over MAX_SPLIT, a soft-cap, too little scratch). */
+int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kpool, const uint16_t *vpool,
+                       int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                       int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                       int rows, float scale, float softcap, int window, int split, float *out, int threads,
+                       char *scratch, int64_t scratch_bytes) {
+    if (dim % 16 != 0 || dim > PF_MAX_DIM || split < 1 || split > MAX_SPLIT || softcap > 0.0f || hkv <= 0 ||
+        hq % hkv != 0 || threads < 1 || scratch_bytes < (int64_t)threads * prefill_scratch(dim, split))
+        return -1;
+    job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
+               table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
+    int items = 0;
+    for (int r = 0; r < rows; r++) items += hq * ((q_len[r] + PF_QT - 1) / PF_QT);
+    const int n = threads < items ? threads : items;
+    const int64_t per = prefill_scratch(dim, split);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n > 0 ? n : 1)
+    for (int it = 0; it < items; it++) {
+        int r = 0, rest = it;
+        while (rest >= hq * ((q_len[r] + PF_QT - 1) / PF_QT)) rest -= hq * ((q_len[r++] + PF_QT - 1) / PF_QT);
+        const int tiles = (q_len[r] + PF_QT - 1) / PF_QT;
+        prefill_item(&j, r, rest / tiles, (rest % tiles) * PF_QT, scratch + (int64_t)omp_get_thread_num() * per);
+    }
+    return 0;
+}
+#endif
+
 static inline __attribute__((always_inline)) void item_as(const job_t *j, int r, int g, const int bf) {
     if (j->dim == 64)
         run_item16(j, r, g, 4, bf);  /* the common head dims, unrolled with their accumulators in registers */
@@ -303,3 +517,17 @@ int paged_attention_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint1
     return run(q, q_st, q_sh, kpool, vpool, pool_blocks, bs, dim, hkv, hq, tables, table_stride, q_start, q_len,
                kv_len, rows, scale, softcap, window, split, out, threads, 1);
 }
+
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
+int paged_prefill_available(void) { return 0; }
+
+int64_t paged_prefill_scratch(int dim, int split) { return 0; }
+
+int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kpool, const uint16_t *vpool,
+                       int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                       int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                       int rows, float scale, float softcap, int window, int split, float *out, int threads,
+                       char *scratch, int64_t scratch_bytes) {
+    return -1; /* this CPU (or compiler target) has no AVX512-BF16: the torch path */
+}
+#endif

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ ATTENTION_NAME = "prefixcache_paged"
 KERNEL_MAX_QUERIES = 16  # rows with at most this many new tokens go through the C kernel (bench_agent_attention)
 KERNEL_SPLIT = 512  # the kernel's online softmax runs over splits of this many keys, as torch's flash attention does
 KERNEL_BF16 = True  # bf16 pools: the kernel serves steps of several rows (a lone row keeps SDPA, bit for bit)
+PREFILL_BF16 = True  # ... and its rows of several new tokens by AVX512-BF16 dot products (bench_agent_attention)
+PREFILL_MIN_QUERIES = 5  # bf16 rows with at least this many new tokens take that prefill path (faster from 5 on)
 TWO_QUERIES_BF16 = True  # a bf16 decoding row on the torch path beside other rows runs SDPA on its query twice
 
 _current: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("prefixcache_step", default=None)
@@ -54,6 +57,42 @@ class Row:
     fresh_from: int = 0
 
 
+@dataclass(frozen=True)
+class KernelRows:
+    """Rows of a step as the C kernel reads them: block tables padded with zeros ([R, max_blocks] int32; the
+    window layers' slots in ``window_tables`` when the pool has window layers) and per row its first token in the
+    flat batch, its new tokens and its length ([R] int32)."""
+
+    tables: torch.Tensor
+    window_tables: torch.Tensor | None
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    kv_len: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: StepBatch, which: list[int]) -> KernelRows | None:
+        """The arrays of ``batch``'s rows ``which`` (None for no rows)."""
+        if not which:
+            return None
+        rows = batch.rows
+        width = max(len(rows[i].blocks) for i in which)
+        table = torch.zeros((len(which), width), dtype=torch.int32)
+        for j, i in enumerate(which):
+            b = rows[i].blocks
+            table[j, : len(b)] = torch.as_tensor(list(b), dtype=torch.int32)
+        wtable = None
+        if batch.pool.window_layers:
+            wtable = torch.zeros((len(which), width), dtype=torch.int32)
+            for j, i in enumerate(which):
+                wb = batch.window_blocks[i]
+                wtable[j, : len(wb)] = torch.as_tensor(wb, dtype=torch.int32)
+
+        def ints(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(rows[i], name) for i in which], dtype=torch.int32)
+
+        return cls(table, wtable, ints("q_start"), ints("q_len"), ints("kv_len"))
+
+
 @dataclass
 class StepBatch:
     """The metadata of one flat forward over ``pool``; built by ``StepBatch.make``. Tensors live on the pool's
@@ -63,20 +102,18 @@ class StepBatch:
     rows: list[Row]
     slots: torch.Tensor  # [T] long: the pool slot (block * block_size + offset) of every new token
     positions: torch.Tensor  # [T] long
-    kernel_rows: list[int]  # rows attended by the C kernel
+    kernel_rows: list[int]  # rows attended by the C kernel's decode path
     torch_rows: list[int]  # rows attended by the torch path
-    tables: torch.Tensor | None = None  # [R_kernel, max_blocks] int32 (kernel rows)
-    q_start: torch.Tensor | None = None  # [R_kernel] int32
-    q_len: torch.Tensor | None = None
-    kv_len: torch.Tensor | None = None
+    prefill_rows: list[int] = field(default_factory=list)  # rows attended by the C kernel's bf16 prefill path
+    kernel: KernelRows | None = None  # the kernel rows as the kernel reads them
+    prefill: KernelRows | None = None  # the prefill rows likewise
     layer: int = -1
     attention_s: float = 0.0  # seconds spent in paged_attention for this batch (all layers)
     latent_out: torch.Tensor | None = None  # the last multi-head latent attention's output
-    # a pool with window layers (``KVPool.window_layers``): their slots for the new tokens, per row the slots of
-    # its blocks (a block without one reads zeros: out of every new token's window), and the kernel rows' tables
+    # a pool with window layers (``KVPool.window_layers``): their slots for the new tokens, and per row the slots
+    # of its blocks (a block without one reads zeros: out of every new token's window)
     window_slots: torch.Tensor | None = None
     window_blocks: list[list[int]] = field(default_factory=list)
-    window_tables: torch.Tensor | None = None
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -99,8 +136,10 @@ class StepBatch:
             at += r.q_len
         device = pool.device
         lib = kernel.load() if use_kernel and device.type == "cpu" and _kernel_dtype(pool.dtype, len(rows)) else None
-        krows = [i for i, r in enumerate(rows) if lib is not None and r.q_len <= KERNEL_MAX_QUERIES]
-        trows = [i for i in range(len(rows)) if lib is None or rows[i].q_len > KERNEL_MAX_QUERIES]
+        long_ok = lib is not None and pool.dtype == torch.bfloat16 and PREFILL_BF16 and kernel.prefill_available(lib)
+        prows = [i for i, r in enumerate(rows) if long_ok and r.q_len >= PREFILL_MIN_QUERIES]
+        krows = [i for i, r in enumerate(rows) if lib is not None and r.q_len <= KERNEL_MAX_QUERIES and i not in prows]
+        trows = [i for i in range(len(rows)) if i not in krows and i not in prows]
         batch = cls(
             pool,
             rows,
@@ -108,25 +147,12 @@ class StepBatch:
             torch.tensor(positions, dtype=torch.long, device=device),
             krows,
             trows,
+            prows,
         )
         if pool.window_layers:
             batch._windows(rows)
-        if krows:
-            width = max(len(rows[i].blocks) for i in krows)
-            table = torch.zeros((len(krows), width), dtype=torch.int32)
-            for j, i in enumerate(krows):
-                b = rows[i].blocks
-                table[j, : len(b)] = torch.as_tensor(list(b), dtype=torch.int32)
-            batch.tables = table
-            if pool.window_layers:
-                wtable = torch.zeros((len(krows), width), dtype=torch.int32)
-                for j, i in enumerate(krows):
-                    wb = batch.window_blocks[i]
-                    wtable[j, : len(wb)] = torch.as_tensor(wb, dtype=torch.int32)
-                batch.window_tables = wtable
-            batch.q_start = torch.tensor([rows[i].q_start for i in krows], dtype=torch.int32)
-            batch.q_len = torch.tensor([rows[i].q_len for i in krows], dtype=torch.int32)
-            batch.kv_len = torch.tensor([rows[i].kv_len for i in krows], dtype=torch.int32)
+        batch.kernel = KernelRows.of(batch, krows)
+        batch.prefill = KernelRows.of(batch, prows)
         return batch
 
     def _windows(self, rows: list[Row]) -> None:
@@ -263,7 +289,7 @@ def paged_attention(
     window = int(sliding_window) if sliding_window else 0
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty((t, hq, dim), dtype=query.dtype, device=query.device)
-    if b.kernel_rows:
+    if b.kernel_rows or b.prefill_rows:
         _kernel_attention(b, q, kpool, vpool, hkv, scale, cap, window, out)
     for i in b.torch_rows:
         _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
@@ -314,54 +340,81 @@ def _kernel_attention(
     window: int,
     out: torch.Tensor,
 ) -> None:
+    """Attention of the batch's kernel rows (the decode path) and prefill rows (the bf16 prefill path) through the
+    C kernel, into ``out``; rows it does not serve (a bf16 soft-cap, a shape beyond its limits) take the torch path."""
     lib = kernel.load()
-    assert lib is not None and b.tables is not None
-    assert b.q_start is not None and b.q_len is not None and b.kv_len is not None  # set with b.tables
+    assert lib is not None
     bf16 = kpool.dtype == torch.bfloat16
-    if bf16 and cap:  # bf16 soft-capped scores: the torch path's eager formula (bf16 scores), not fp32 ones
-        for i in b.kernel_rows:
-            _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
-        return
-    qf = q if q.dtype == torch.float32 else q.float()
-    if qf.stride(2) != 1:
-        qf = qf.contiguous()
-    res = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    bs = b.pool.block_size
-    dim = q.shape[2]
-    tables = b.window_tables if b.windowed(b.layer) else b.tables
-    assert tables is not None
-    fn = lib.paged_attention_bf16 if bf16 else lib.paged_attention_f32
-    rc = fn(
-        ctypes.c_void_p(qf.data_ptr()),
-        qf.stride(0),
-        qf.stride(1),
-        ctypes.c_void_p(kpool.data_ptr()),
-        ctypes.c_void_p(vpool.data_ptr()),
-        kpool.shape[1],
-        bs,
-        dim,
-        hkv,
-        q.shape[1],
-        ctypes.c_void_p(tables.data_ptr()),
-        tables.shape[1],
-        ctypes.c_void_p(b.q_start.data_ptr()),
-        ctypes.c_void_p(b.q_len.data_ptr()),
-        ctypes.c_void_p(b.kv_len.data_ptr()),
-        len(b.kernel_rows),
-        scale,
-        cap,
-        window,
-        KERNEL_SPLIT,
-        ctypes.c_void_p(res.data_ptr()),
-        torch.get_num_threads(),
-    )
-    if rc != 0:  # shapes beyond the kernel's limits: the torch path for these rows
-        for i in b.kernel_rows:
-            _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
-    elif res is not out:  # float32 results of the kernel rows into the output's dtype (nearest even)
-        for i in b.kernel_rows:
-            r = b.rows[i]
-            out[r.q_start : r.q_start + r.q_len] = res[r.q_start : r.q_start + r.q_len]
+    fallback: list[int] = []
+    qf: torch.Tensor | None = None
+    res = out
+    for which, arrays, prefill in ((b.kernel_rows, b.kernel, False), (b.prefill_rows, b.prefill, True)):
+        if not which:
+            continue
+        assert arrays is not None
+        if (bf16 and cap) or (prefill and q.dtype != torch.bfloat16):
+            # bf16 soft-capped scores: the torch path's eager formula (bf16 scores), not fp32 ones; the prefill path
+            # takes bf16 queries only (it reads them as bf16 pairs)
+            fallback += which
+            continue
+        if qf is None:
+            qf = q if q.dtype == torch.float32 else q.float()
+            if qf.stride(2) != 1:
+                qf = qf.contiguous()
+            if out.dtype != torch.float32:
+                res = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        tables = arrays.window_tables if b.windowed(b.layer) else arrays.tables
+        assert tables is not None
+        threads = torch.get_num_threads()
+        args = [
+            ctypes.c_void_p(qf.data_ptr()),
+            qf.stride(0),
+            qf.stride(1),
+            ctypes.c_void_p(kpool.data_ptr()),
+            ctypes.c_void_p(vpool.data_ptr()),
+            kpool.shape[1],
+            b.pool.block_size,
+            q.shape[2],
+            hkv,
+            q.shape[1],
+            ctypes.c_void_p(tables.data_ptr()),
+            tables.shape[1],
+            ctypes.c_void_p(arrays.q_start.data_ptr()),
+            ctypes.c_void_p(arrays.q_len.data_ptr()),
+            ctypes.c_void_p(arrays.kv_len.data_ptr()),
+            len(which),
+            scale,
+            cap,
+            window,
+            KERNEL_SPLIT,
+            ctypes.c_void_p(res.data_ptr()),
+            threads,
+        ]
+        if prefill:
+            scratch = _scratch(threads * int(lib.paged_prefill_scratch(q.shape[2], KERNEL_SPLIT)))
+            rc = lib.paged_prefill_bf16(*args, ctypes.c_void_p(scratch.data_ptr()), scratch.numel())
+        else:
+            rc = (lib.paged_attention_bf16 if bf16 else lib.paged_attention_f32)(*args)
+        if rc != 0:  # shapes beyond the kernel's limits: the torch path for these rows
+            fallback += which
+        elif res is not out:  # float32 results of these rows into the output's dtype (nearest even)
+            for i in which:
+                r = b.rows[i]
+                out[r.q_start : r.q_start + r.q_len] = res[r.q_start : r.q_start + r.q_len]
+    for i in fallback:
+        _torch_attention(b, i, q, kpool, vpool, hkv, scale, cap, window, out)
+
+
+_scratch_of = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's scratch for the prefill path: at least ``nbytes`` bytes, kept (and grown) between calls."""
+    buf: torch.Tensor | None = getattr(_scratch_of, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        _scratch_of.buf = buf
+    return buf
 
 
 def _gather(pool_side: torch.Tensor, blocks: Sequence[int], length: int, block_size: int) -> torch.Tensor:

@@ -99,3 +99,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         # kv_len, rows, scale, softcap, window, split, out, threads
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr, i32, f32, f32, i32]
         fn.argtypes += [i32, ptr, i32]
+    lib.paged_prefill_bf16.restype = ctypes.c_int
+    lib.paged_prefill_bf16.argtypes = [*lib.paged_attention_bf16.argtypes, ptr, i64]  # ..., scratch, its bytes
+    lib.paged_prefill_scratch.restype = i64
+    lib.paged_prefill_scratch.argtypes = [i32, i32]  # head dim, split: bytes per thread
+    lib.paged_prefill_available.restype = ctypes.c_int
+    lib.paged_prefill_available.argtypes = []
+
+
+def prefill_available(lib: ctypes.CDLL) -> bool:
+    """Whether the library was built with its bf16 prefill path (a compiler target with AVX512-BF16)."""
+    return bool(lib.paged_prefill_available())

@@ -91,7 +91,10 @@ def register(app: typer.Typer) -> None:
             "model the engine cannot run gets anyway).",
         ),
         max_step_tokens: int | None = typer.Option(
-            None, "--max-step-tokens", min=1, help="Engine: tokens in one step (decodes + prefill chunks; default 1024)."
+            None,
+            "--max-step-tokens",
+            min=1,
+            help="Engine: tokens in one step (decodes + prefill chunks; default 1024).",
         ),
         max_chunk_tokens: int | None = typer.Option(
             None, "--max-chunk-tokens", min=1, help="Engine: prefill tokens one request gets per step (default 1024)."

@@ -91,13 +91,10 @@ def register(app: typer.Typer) -> None:
             "model the engine cannot run gets anyway).",
         ),
         max_step_tokens: int | None = typer.Option(
-            None,
-            "--max-step-tokens",
-            min=1,
-            help="Engine: tokens in one step (decodes + prefill chunks; default 1024).",
+            None, "--max-step-tokens", min=1, help="Engine: tokens in one step (decodes + prefill chunks; default 256)."
         ),
         max_chunk_tokens: int | None = typer.Option(
-            None, "--max-chunk-tokens", min=1, help="Engine: prefill tokens one request gets per step (default 1024)."
+            None, "--max-chunk-tokens", min=1, help="Engine: prefill tokens one request gets per step (default 256)."
         ),
         max_running: int | None = typer.Option(
             None, "--max-running", min=1, help="Engine: requests running at once (default 32)."

@@ -7,9 +7,10 @@ this step and how many of its tokens are new. The model runs on its own modeling
 * ``PagedKV`` stands in for its cache: ``update`` writes each layer's new keys and values into the pool at the
   rows' slots (one ``index_copy_`` per side) and hands them back;
 * the attention function ``paged_attention`` (registered as ``ATTENTION_NAME``) reads each row's keys and values
-  from the pool where they lie: rows with few new tokens (decoding) through the C kernel, in place; rows with
-  many (prefill chunks), or where the kernel is unavailable, gathered and run through SDPA (or, with a logit
-  soft-cap, the eager formula).
+  from the pool where they lie: rows with few new tokens (decoding) through the C kernel, in place; bf16 rows with
+  several (prefill chunks, steps of several rows, a CPU with AVX512-BF16) through the kernel's prefill path, in
+  place too; other rows with many, or where the kernel is unavailable, gathered and run through SDPA (or, with a
+  logit soft-cap, the eager formula).
 
 The model computes no mask (transformers makes none for an attention implementation it has no mask function
 for): causality, sliding windows and the rows' boundaries come from the batch.

@@ -1,4 +1,5 @@
-"""The C decode kernel (``_paged_attention.c``): built with the system C compiler on first use, loaded with ctypes.
+"""The C attention kernel (``_paged_attention.c``: its decode path, and its bf16 prefill path where the CPU has
+AVX512-BF16): built with the system C compiler on first use, loaded with ctypes.
 
 The shared object goes to ``$PREFIXCACHE_KERNEL_DIR`` (default ``~/.cache/prefixcache/kernels``), named by a hash
 of the source, the flags and this CPU, and is rebuilt only when one of those changes. ``load()`` returns None,

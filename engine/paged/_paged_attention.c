@@ -309,8 +309,12 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
     float *o = (float *)(vp + (int64_t)pairs_max * 2 * D);    /* [32][D] output accumulators */
     float cs[PF_QT], ls[PF_QT];
     for (int i = 0; i < PF_QT; i++) {
+        if (i >= nq) { /* past the row's last query: zero pairs (their lanes are computed, never stored) */
+            for (int d = 0; d < P; d++) qp[d * PF_QT + i] = 0u;
+            continue;
+        }
         const float *qv = j->q + (int64_t)(qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh;
-        for (int d = 0; d < P; d++) qp[d * PF_QT + i] = i < nq ? bf_pair(qv + 2 * d) : 0u;
+        for (int d = 0; d < P; d++) qp[d * PF_QT + i] = bf_pair(qv + 2 * d);
     }
     memset(o, 0, sizeof(float) * PF_QT * D);
     const int pos0 = kv - ql + i0, posl = pos0 + nq - 1;

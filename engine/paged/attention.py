@@ -138,9 +138,14 @@ class StepBatch:
         device = pool.device
         lib = kernel.load() if use_kernel and device.type == "cpu" and _kernel_dtype(pool.dtype, len(rows)) else None
         long_ok = lib is not None and pool.dtype == torch.bfloat16 and PREFILL_BF16 and kernel.prefill_available(lib)
-        prows = [i for i, r in enumerate(rows) if long_ok and r.q_len >= PREFILL_MIN_QUERIES]
-        krows = [i for i, r in enumerate(rows) if lib is not None and r.q_len <= KERNEL_MAX_QUERIES and i not in prows]
-        trows = [i for i in range(len(rows)) if i not in krows and i not in prows]
+        prows, krows, trows = [], [], []  # each row to one path: the prefill path, the decode path, or torch
+        for i, r in enumerate(rows):
+            if long_ok and r.q_len >= PREFILL_MIN_QUERIES:
+                prows.append(i)
+            elif lib is not None and r.q_len <= KERNEL_MAX_QUERIES:
+                krows.append(i)
+            else:
+                trows.append(i)
         batch = cls(
             pool,
             rows,

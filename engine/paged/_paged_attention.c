@@ -289,6 +289,28 @@ static int64_t prefill_scratch(int dim, int split) {
     return (b + 63) / 64 * 64;
 }
 
+/* The values' share of `gq` queries (a constant where inlined) for one split: their accumulators `o` ([gq][D]) scaled
+ * by the split's rescale factors `c`, plus the probability pairs `pp` (stride PF_QT) times the interleaved values `vp`
+ * of `np` key pairs, in key order. */
+static inline __attribute__((always_inline)) void pv_group(float *o, const float *c, const uint32_t *pp,
+                                                           const uint16_t *vp, int np, const int nd, const int gq) {
+    const int D = nd * 16;
+    __m512 acc[PF_NQ][PF_MAX_DIM / 16];
+    for (int q = 0; q < gq; q++) {
+        const __m512 cq = _mm512_set1_ps(c[q]);
+        for (int x = 0; x < nd; x++) acc[q][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)q * D + 16 * x), cq);
+    }
+    for (int t = 0; t < np; t++) {
+        const uint16_t *vt = vp + (int64_t)t * 2 * D;
+        for (int x = 0; x < nd; x++) {
+            const __m512i vz = _mm512_loadu_si512(vt + 32 * x);
+            for (int q = 0; q < gq; q++) acc[q][x] = dpbf(acc[q][x], vz, _mm512_set1_epi32((int)pp[(int64_t)t * PF_QT + q]));
+        }
+    }
+    for (int q = 0; q < gq; q++)
+        for (int x = 0; x < nd; x++) _mm512_storeu_ps(o + (int64_t)q * D + 16 * x, acc[q][x]);
+}
+
 /* One prefill tile: queries i0 .. i0 + 31 of row r (fewer at the row's end), query head h. The same online softmax
  * as run_item16 over the same splits, with the bf16 dot products of AVX512-BF16 (each product exact, summed in
  * fp32, as torch's bf16 gemm does): scores for 8 keys x 32 queries at a time from the keys where they lie, then
@@ -322,9 +344,15 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
     const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* Keys every live query of the tile sees (causal: at or before the first query; window: inside the last
+     * query's): their mask is the live lanes, without tile_mask. */
+    const uint32_t live = nq >= 32 ? 0xFFFFFFFFu : ((1u << nq) - 1u);
+    const int full_lo = j->window > 0 ? posl - j->window + 1 : 0;
+#define PF_MASK(p) ((p) >= full_lo && (p) <= pos0 ? live : tile_mask((p), pos0, nq, j->window))
     __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
+        __m512 mx[2] = {ninf, ninf};
         for (int kb = 0; kb < n; kb += PF_KB) {
             const uint32_t *kr[PF_KB];
             for (int u = 0; u < PF_KB; u++) {
@@ -342,17 +370,14 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
                 }
             }
             const int un = n - kb < PF_KB ? n - kb : PF_KB;
-            for (int u = 0; u < un; u++) {
-                _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT, _mm512_mul_ps(acc[u][0], scale));
-                _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16, _mm512_mul_ps(acc[u][1], scale));
+            for (int u = 0; u < un; u++) { /* the scores, and the split's max over the keys each query sees */
+                const uint32_t mk = PF_MASK(a + kb + u);
+                for (int v = 0; v < 2; v++) {
+                    const __m512 sc = _mm512_mul_ps(acc[u][v], scale);
+                    _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16 * v, sc);
+                    mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v], sc);
+                }
             }
-        }
-        __m512 mx[2] = {ninf, ninf};
-        for (int k = 0; k < n; k++) {
-            const uint32_t mk = tile_mask(a + k, pos0, nq, j->window);
-            for (int v = 0; v < 2; v++)
-                mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v],
-                                           _mm512_loadu_ps(s + (int64_t)k * PF_QT + 16 * v));
         }
         __m512 mn[2], esum[2];
         for (int v = 0; v < 2; v++) {
@@ -364,30 +389,27 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
             m[v] = mn[v];
             esum[v] = _mm512_setzero_ps();
         }
-        for (int k = 0; k < n; k++) {
-            const uint32_t mk = tile_mask(a + k, pos0, nq, j->window);
-            for (int v = 0; v < 2; v++) {
-                float *sk = s + (int64_t)k * PF_QT + 16 * v;
-                const __m512 e = _mm512_maskz_mov_ps((__mmask16)(mk >> (16 * v)),
-                                                     fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sk), mn[v])));
-                esum[v] = _mm512_add_ps(esum[v], e);
-                _mm512_storeu_ps(sk, round_bf16_16(e));
-            }
-        }
-        for (int v = 0; v < 2; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
+        /* per pair of keys: the exps (summed unrounded, in key order), rounded to bf16 and packed as pairs for the
+         * values' dot products; and the pair's values interleaved */
         const int np = (n + 1) / 2;
         for (int t = 0; t < np; t++) {
             const int k0 = 2 * t, k1 = 2 * t + 1;
-            const int64_t at0 = key_at(j, table, head_base, a + k0);
-            const int64_t at1 = k1 < n ? key_at(j, table, head_base, a + k1) : -1;
+            const uint32_t mk0 = PF_MASK(a + k0), mk1 = k1 < n ? PF_MASK(a + k1) : 0u;
             for (int v = 0; v < 2; v++) {
-                const __m512i e0 = _mm512_castps_si512(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v));
-                const __m512i e1 = k1 < n ? _mm512_castps_si512(_mm512_loadu_ps(s + (int64_t)k1 * PF_QT + 16 * v))
-                                          : _mm512_setzero_si512();
-                const __m512i pr = _mm512_or_si512(_mm512_srli_epi32(e0, 16),
-                                                   _mm512_and_si512(e1, _mm512_set1_epi32((int)0xFFFF0000u)));
+                const __m512 e0 = _mm512_maskz_mov_ps(
+                    (__mmask16)(mk0 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v), mn[v])));
+                esum[v] = _mm512_add_ps(esum[v], e0);
+                __m512i pr = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(e0)), 16);
+                if (k1 < n) {
+                    const __m512 e1 = _mm512_maskz_mov_ps(
+                        (__mmask16)(mk1 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k1 * PF_QT + 16 * v), mn[v])));
+                    esum[v] = _mm512_add_ps(esum[v], e1);
+                    pr = _mm512_or_si512(pr, _mm512_castps_si512(round_bf16_16(e1)));
+                }
                 _mm512_storeu_si512(pp + (int64_t)t * PF_QT + 16 * v, pr);
             }
+            const int64_t at0 = key_at(j, table, head_base, a + k0);
+            const int64_t at1 = k1 < n ? key_at(j, table, head_base, a + k1) : -1;
             const uint16_t *v0 = (const uint16_t *)j->vpool + at0;
             const uint16_t *v1 = at1 >= 0 ? (const uint16_t *)j->vpool + at1 : NULL;
             for (int c = 0; c < nd; c++) {
@@ -397,25 +419,15 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
                 _mm512_storeu_si512(vp + (int64_t)t * 2 * D + 32 * c, _mm512_permutexvar_epi16(ilv, z));
             }
         }
+        for (int v = 0; v < 2; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
         for (int i = 0; i < nq; i += PF_NQ) {
-            const int gq = nq - i < PF_NQ ? nq - i : PF_NQ;
-            __m512 acc[PF_NQ][PF_MAX_DIM / 16];
-            for (int q = 0; q < gq; q++) {
-                const __m512 c = _mm512_set1_ps(cs[i + q]);
-                for (int x = 0; x < nd; x++) acc[q][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)(i + q) * D + 16 * x), c);
-            }
-            for (int t = 0; t < np; t++) {
-                const uint16_t *vt = vp + (int64_t)t * 2 * D;
-                for (int x = 0; x < nd; x++) {
-                    const __m512i vz = _mm512_loadu_si512(vt + 32 * x);
-                    for (int q = 0; q < gq; q++)
-                        acc[q][x] = dpbf(acc[q][x], vz, _mm512_set1_epi32((int)pp[(int64_t)t * PF_QT + i + q]));
-                }
-            }
-            for (int q = 0; q < gq; q++)
-                for (int x = 0; x < nd; x++) _mm512_storeu_ps(o + (int64_t)(i + q) * D + 16 * x, acc[q][x]);
+            if (nq - i >= PF_NQ)
+                pv_group(o + (int64_t)i * D, cs + i, pp + i, vp, np, nd, PF_NQ);
+            else
+                for (int q = i; q < nq; q++) pv_group(o + (int64_t)q * D, cs + q, pp + q, vp, np, nd, 1);
         }
     }
+#undef PF_MASK
     _mm512_storeu_ps(ls, l[0]);
     _mm512_storeu_ps(ls + 16, l[1]);
     for (int i = 0; i < nq; i++) {

@@ -1,19 +1,19 @@
-"""Prefill attention over a long cached prefix: the paged C kernel against gather + SDPA, with and without
+"""Prefill attention over a long cached prefix: the paged C kernel's two paths against gather + SDPA, with and without
 ``engine.malloc.keep_freed_memory``.
 
     python benchmarks/bench_agent_attention.py [--dtype float32|bfloat16] [--heads 12] [--head-dim 64]
-                                               [--contexts 512 1536 3072] [--queries 1 4 16 64 256] [--json FILE]
+                                               [--contexts 512 1536 3072] [--queries 1 4 8 16 64 256] [--json FILE]
 
 An agent's request re-sends a long transcript whose K/V is cached and computes a short new chunk over it: one row
-of q new tokens attending kv cached + new ones. ``engine.paged.attention`` runs such a row through the C kernel
-(in place in the pool; rows of at most ``KERNEL_MAX_QUERIES`` tokens) or gathers the row's K/V out of the pool
-and runs SDPA (longer rows). This times one layer's attention of one row both ways (the ``small`` preset's
-shape by default: 12 heads of 64), median of 15 calls, in two child processes: glibc's default malloc, and the one
-``prefixcache serve`` sets (freed memory kept: the gather's buffers stop faulting their pages in each call).
-The two paths' outputs are compared too. float32: the kernel's decode path serves a row of any length here (the
-engine: at most ``KERNEL_MAX_QUERIES`` new tokens). bfloat16: rows of ``PREFILL_MIN_QUERIES`` new tokens or more
-take the kernel's prefill path (AVX512-BF16 dot products, tiles of 32 queries), fewer its decode path, as the
-engine runs them in a step of several rows (a bf16 row alone in its step keeps SDPA; here it takes the kernel).
+of q new tokens attending kv cached + new ones. ``engine.paged.attention`` runs such a row through the C kernel in
+place in the pool, by its decode path (one query at a time) or, in a step of several rows, by its prefill path
+(tiles of 32 queries, where the compiler targets AVX-512; bf16 with AVX512-BF16 dot products) for rows of
+``PREFILL_MIN_QUERIES`` (bf16) or ``PREFILL_MIN_QUERIES_F32`` (fp32) new tokens or more; otherwise it gathers the
+row's K/V out of the pool and runs SDPA (a lone row's prefill). This times one layer's attention of one row all
+three ways (the ``small`` preset's shape by default: 12 heads of 64; each kernel path for the one row here), median
+of 15 calls, in two child processes: glibc's default malloc, and the one ``prefixcache serve`` sets (freed memory
+kept: the gather's buffers stop faulting their pages in each call). ``kernel_ms`` is the path a step of several
+rows takes; its outputs are compared with SDPA's.
 Writes JSON (``benchmarks/results/agent_attention.json``; ``agent_attention_bf16.json`` for bfloat16).
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -52,10 +53,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("the paged C kernel did not build here (no C compiler?)")
     dtype = getattr(torch, args.dtype)
     bf16 = dtype == torch.bfloat16
-    if bf16 and not kernel.prefill_available(lib):
+    prefill_built = kernel.prefill_available(lib, dtype)
+    if bf16 and not prefill_built:
         raise SystemExit("the kernel's bf16 prefill path is not built here (no AVX512-BF16)")
     if bf16:  # the kernel for one row too (the engine: in steps of several rows; a lone row keeps SDPA)
         att._kernel_dtype = lambda dtype, rows: True
+    least = att.PREFILL_MIN_QUERIES if bf16 else att.PREFILL_MIN_QUERIES_F32  # where a step of several rows switches
     torch.manual_seed(0)
     h, d, bs = args.heads, args.head_dim, 16
     top = max(args.contexts)
@@ -65,17 +68,19 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     assert pair is not None
     for side in pair:
         side.normal_()
-    default_max = att.KERNEL_MAX_QUERIES
+    default_max, default_from = att.KERNEL_MAX_QUERIES, att._prefill_from
 
-    def once(q: torch.Tensor, kv: int, kernel_path: bool) -> tuple[float, torch.Tensor]:
+    def once(q: torch.Tensor, kv: int, path: str) -> tuple[float, torch.Tensor]:
+        """One row of q's new tokens over kv keys through ``path``: the kernel's "decode" or "prefill" path (as the
+        engine runs them in a step of several rows, here for the one row), or "torch" (gather + SDPA)."""
         row = att.Row(0, q.shape[2], kv, list(range(-(-kv // bs))))
-        if not bf16:  # the decode path for a row of any length (the engine: at most default_max)
-            att.KERNEL_MAX_QUERIES = 10**9
+        att.KERNEL_MAX_QUERIES = 10**9  # the decode path for a row of any length (the engine: at most default_max)
+        att._prefill_from = lambda lib, dtype, rows: 1 if path == "prefill" else math.inf
         try:
-            batch = att.StepBatch.make(pool, [row], use_kernel=kernel_path)
-            assert kernel_path == bool(batch.kernel_rows or batch.prefill_rows)
+            batch = att.StepBatch.make(pool, [row], use_kernel=path != "torch")
+            assert bool(batch.prefill_rows) == (path == "prefill") and bool(batch.kernel_rows) == (path == "decode")
         finally:
-            att.KERNEL_MAX_QUERIES = default_max
+            att.KERNEL_MAX_QUERIES, att._prefill_from = default_max, default_from
         batch.layer = 0
         token = att._current.set(batch)
         try:
@@ -88,25 +93,31 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             att._current.reset(token)
         return statistics.median(times) * 1e3, out
 
-    once(torch.randn(1, h, 4, d, dtype=dtype), min(args.contexts), False)  # first calls: SDPA's, the kernel's set-up
-    once(torch.randn(1, h, 4, d, dtype=dtype), min(args.contexts), True)
+    for path in ("torch", "decode", "prefill") if prefill_built else ("torch", "decode"):  # first calls: set-up
+        once(torch.randn(1, h, 4, d, dtype=dtype), min(args.contexts), path)
     rows = []
     for kv in args.contexts:
         for n in args.queries:
             if n > kv:
                 continue
             q = torch.randn(1, h, n, d, generator=torch.Generator().manual_seed(n)).to(dtype)
-            k_ms, k_out = once(q, kv, True)
-            t_ms, t_out = once(q, kv, False)
+            d_ms, d_out = once(q, kv, "decode")
+            p_ms, p_out = once(q, kv, "prefill") if prefill_built else (None, None)
+            t_ms, t_out = once(q, kv, "torch")
+            path = "prefill" if prefill_built and n >= least else "decode"
+            k_ms, k_out = (p_ms, p_out) if path == "prefill" else (d_ms, d_out)
+            assert k_ms is not None and k_out is not None
             differ = k_out != t_out
             rows.append(
                 {
                     "context": kv,
                     "queries": n,
-                    "kernel_ms": k_ms,
+                    "kernel_ms": k_ms,  # the path a step of several rows takes for this row
+                    "decode_ms": d_ms,
+                    "prefill_ms": p_ms,
                     "torch_ms": t_ms,
                     "kernel_over_torch": k_ms / t_ms,
-                    "path": "prefill" if bf16 and n >= att.PREFILL_MIN_QUERIES else "decode",
+                    "path": path,
                     "max_abs_diff": float((k_out.float() - t_out.float()).abs().max()),
                     "max_abs_output": float(t_out.float().abs().max()),
                     "outputs_differing": int(differ.sum()),
@@ -122,7 +133,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1536, 3072])
-    ap.add_argument("--queries", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--queries", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256])
     ap.add_argument("--json", default=None, help="default benchmarks/results/agent_attention[_bf16].json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -146,14 +157,15 @@ def main() -> None:
             raise SystemExit(f"the {mode}-malloc child failed:\n{done.stderr[-2000:]}")
         by[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     print(
-        f"{args.dtype}:\n| context | queries | kernel ms | gather + SDPA ms (malloc default) | gather + SDPA ms "
-        "(freed memory kept) | outputs differing |"
+        f"{args.dtype}:\n| context | queries | decode path ms | prefill path ms | the engine's path | gather + SDPA ms "
+        "(malloc default) | gather + SDPA ms (freed memory kept) | outputs differing |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for a, b in zip(by["default"], by["kept"], strict=True):
+        pf = "-" if b["prefill_ms"] is None else f"{b['prefill_ms']:.2f}"
         print(
-            f"| {a['context']} | {a['queries']} | {b['kernel_ms']:.2f} | {a['torch_ms']:.2f} | {b['torch_ms']:.2f} "
-            f"| {b['outputs_differing']}/{b['outputs']} |"
+            f"| {a['context']} | {a['queries']} | {b['decode_ms']:.2f} | {pf} | {b['path']} | {a['torch_ms']:.2f} "
+            f"| {b['torch_ms']:.2f} | {b['outputs_differing']}/{b['outputs']} |"
         )
     payload = {
         "settings": {k: v for k, v in vars(args).items() if k != "child"},

@@ -114,12 +114,15 @@ def run_case(case, use_kernel: bool, dtype: torch.dtype = torch.float32, tol: fl
     before_k, before_v = kview.clone(), vview.clone()
     batch = StepBatch.make(pool, rows, use_kernel=use_kernel)
     if use_kernel and (dtype == torch.float32 or len(rows) > 1):
-        prefill = dtype == torch.bfloat16 and kernel.prefill_available(kernel.load())
-        few = KERNEL_MAX_QUERIES + 1 if not prefill else att.PREFILL_MIN_QUERIES  # rows below: the decode path
-        assert batch.kernel_rows == [i for i, r in enumerate(rows) if r.q_len < few]
-        long = [i for i, r in enumerate(rows) if r.q_len >= few]
-        assert batch.prefill_rows == (long if prefill else [])
-        assert batch.torch_rows == ([] if prefill else long)
+        # the prefill path: bf16 rows of PREFILL_MIN_QUERIES or more; fp32 ones of PREFILL_MIN_QUERIES_F32 or more,
+        # beside other rows only; where the library has that path. The rest: short ones the decode path, long SDPA
+        built = kernel.prefill_available(kernel.load(), dtype)
+        least = att.PREFILL_MIN_QUERIES if dtype == torch.bfloat16 else att.PREFILL_MIN_QUERIES_F32
+        if not built or (dtype == torch.float32 and len(rows) == 1):
+            least = math.inf
+        assert batch.prefill_rows == [i for i, r in enumerate(rows) if r.q_len >= least]
+        assert batch.kernel_rows == [i for i, r in enumerate(rows) if r.q_len < least and r.q_len <= KERNEL_MAX_QUERIES]
+        assert batch.torch_rows == [i for i, r in enumerate(rows) if KERNEL_MAX_QUERIES < r.q_len < least]
     else:  # no kernel asked for, or a bf16 row alone in its step (SDPA: the bare model's call)
         assert batch.kernel_rows == batch.prefill_rows == [] and batch.torch_rows == list(range(len(rows)))
     PagedKV(batch).update(torch.cat(new_k, dim=1)[None], torch.cat(new_v, dim=1)[None], layer_idx=0)
@@ -147,7 +150,7 @@ def run_case(case, use_kernel: bool, dtype: torch.dtype = torch.float32, tol: fl
         )
     assert weights is None
     assert out.shape == (1, t, hq, dim)
-    if batch.prefill_rows and dim % 16 == 0:  # the prefill path served its rows (it takes head dims of 16k)
+    if batch.prefill_rows and dim % 16 == 0 and not softcap:  # the prefill path served its rows (head dims of 16k)
         assert not set(by_torch) & set(batch.prefill_rows)
     eff_scale = scale if scale is not None else 1.0 / math.sqrt(dim)
     for r, k, v in zip(rows, keys, values):
@@ -164,8 +167,10 @@ def test_torch_path_equals_contiguous_reference(case):
 
 
 @SETTINGS
-@given(case=cases())
+@given(case=cases(long_rows=True))
 def test_kernel_equals_contiguous_reference(case):
+    """float32: the decode path, and the prefill path for rows of ``PREFILL_MIN_QUERIES_F32`` new tokens or more in
+    steps of several rows (a soft-cap, or a head dim not a multiple of 16, sends those to the torch path)."""
     if kernel.load() is None:
         pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
     run_case(case, use_kernel=True)

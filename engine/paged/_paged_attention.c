@@ -255,22 +255,11 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <omp.h>
 #define PF_QT 32       /* queries per prefill tile: two 16-lane vectors */
 #define PF_KB 8        /* keys per score block: 16 accumulators */
 #define PF_NQ 4        /* queries per PV group */
 #define PF_MAX_DIM 256 /* head dims up to this (multiples of 16) */
-
-static inline __m512 dpbf(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
-
-/* The bfloat16 pair (x[0], x[1]) of two floats that are bfloat16 values: their upper halves, x[0] in the low one. */
-static inline uint32_t bf_pair(const float *x) {
-    union { float f; uint32_t u; } a, b;
-    a.f = x[0];
-    b.f = x[1];
-    return (a.u >> 16) | (b.u & 0xFFFF0000u);
-}
 
 /* Which of a tile's queries (bit i: query i, at position pos0 + i, i < nq) attend key position p. */
 static inline uint32_t tile_mask(int p, int pos0, int nq, int window) {
@@ -281,12 +270,168 @@ static inline uint32_t tile_mask(int p, int pos0, int nq, int window) {
     return upto & ~((1u << lo) - 1u);
 }
 
-/* Bytes of scratch one thread of paged_prefill_bf16 uses for head dim `dim` and splits of `split` keys. */
+/* tile_mask, where keys in [full_lo, pos0] (seen by every live query: at or before the first query, inside the
+ * last one's window) are the live lanes without computing it. */
+static inline uint32_t pf_mask(int p, int full_lo, int pos0, uint32_t live, int nq, int window) {
+    return p >= full_lo && p <= pos0 ? live : tile_mask(p, pos0, nq, window);
+}
+
+/* Bytes of scratch one thread of paged_prefill_bf16 / _f32 uses for head dim `dim` and splits of `split` keys (the
+ * larger of the two layouts: queries [dim][32] floats, scores [split][32], probability pairs, values by key pairs or
+ * value offsets, output accumulators [32][dim]). */
 static int64_t prefill_scratch(int dim, int split) {
     const int64_t pairs = (split + 1) / 2;
-    int64_t b = (int64_t)(dim / 2) * PF_QT * 4 + (int64_t)split * PF_QT * 4 + pairs * PF_QT * 4;
-    b += pairs * 2 * dim * 2 + (int64_t)PF_QT * dim * 4 + 4 * 64;
+    int64_t b = (int64_t)dim * PF_QT * 4 + (int64_t)split * PF_QT * 4 + pairs * PF_QT * 4;
+    b += pairs * 2 * dim * 2 + (int64_t)split * 8 + (int64_t)PF_QT * dim * 4 + 4 * 64;
     return (b + 63) / 64 * 64;
+}
+
+/* A split's running max, rescale factors and sums: m <- max(m, mx) (in mn too), l *= exp(m_old - m) (1 where the max
+ * did not move), the factors in cs (so the output accumulators follow), and the exps' sums reset. */
+static inline void split_rescale(__m512 m[2], __m512 l[2], const __m512 mx[2], __m512 mn[2], __m512 esum[2], float *cs) {
+    for (int v = 0; v < 2; v++) {
+        mn[v] = _mm512_max_ps(m[v], mx[v]);
+        const __mmask16 up = _mm512_cmp_ps_mask(mn[v], m[v], _CMP_GT_OQ);
+        const __m512 c = _mm512_mask_blend_ps(up, _mm512_set1_ps(1.0f), fast_exp16(_mm512_sub_ps(m[v], mn[v])));
+        l[v] = _mm512_mul_ps(l[v], c);
+        _mm512_storeu_ps(cs + 16 * v, c);
+        m[v] = mn[v];
+        esum[v] = _mm512_setzero_ps();
+    }
+}
+
+/* The tile's outputs: each live query's accumulators `o` ([32][D]) over its sum of exps. */
+static inline void tile_store(const job_t *j, const float *o, const __m512 l[2], int r, int h, int i0, int nq, int nd) {
+    const int D = nd * 16, qs = j->q_start[r];
+    float ls[PF_QT];
+    _mm512_storeu_ps(ls, l[0]);
+    _mm512_storeu_ps(ls + 16, l[1]);
+    for (int i = 0; i < nq; i++) {
+        float *dst = j->out + ((int64_t)(qs + i0 + i) * j->hq + h) * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / ls[i]);
+        for (int x = 0; x < nd; x++) _mm512_storeu_ps(dst + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)i * D + 16 * x), inv));
+    }
+}
+
+/* The values' share of `gq` queries (a constant where inlined) for one split over float32 values: their accumulators
+ * `o` ([gq][D]) scaled by the rescale factors `c`, plus the probabilities `pr` ([n][32], this group's column first)
+ * times the value rows at `vo` (element offsets into the pool), in key order. */
+static inline __attribute__((always_inline)) void pv_group_f32(float *o, const float *c, const float *pr,
+                                                               const float *vpool, const int64_t *vo, int n,
+                                                               const int nd, const int gq) {
+    const int D = nd * 16;
+    __m512 acc[PF_NQ][PF_MAX_DIM / 16];
+    for (int q = 0; q < gq; q++) {
+        const __m512 cq = _mm512_set1_ps(c[q]);
+        for (int x = 0; x < nd; x++) acc[q][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)q * D + 16 * x), cq);
+    }
+    for (int k = 0; k < n; k++) {
+        const float *vr = vpool + vo[k];
+        for (int x = 0; x < nd; x++) {
+            const __m512 vz = _mm512_loadu_ps(vr + 16 * x);
+            for (int q = 0; q < gq; q++) acc[q][x] = _mm512_fmadd_ps(_mm512_set1_ps(pr[(int64_t)k * PF_QT + q]), vz, acc[q][x]);
+        }
+    }
+    for (int q = 0; q < gq; q++)
+        for (int x = 0; x < nd; x++) _mm512_storeu_ps(o + (int64_t)q * D + 16 * x, acc[q][x]);
+}
+
+/* One float32 prefill tile: queries i0 .. i0 + 31 of row r (fewer at the row's end), query head h. The online
+ * softmax of run_item16 over the same splits, in tiles: scores for 8 keys x 32 queries at a time by fp32 FMAs from
+ * the keys where they lie (summed over the head dim in order), per split the max as they are stored, the exps in
+ * place (summed in key order), and the values weighted straight from the pool, 4 queries at a time. */
+static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *j, int r, int h, int i0, const int nd,
+                                                                   char *scratch) {
+    const int D = nd * 16, G = j->hq / j->hkv, g = h / G;
+    const int ql = j->q_len[r], kv = j->kv_len[r], qs = j->q_start[r], S = split_size(j, kv);
+    const int nq = ql - i0 < PF_QT ? ql - i0 : PF_QT;
+    const int32_t *table = j->tables + (int64_t)r * j->table_stride;
+    const int64_t head_base = (int64_t)g * j->pool_blocks * j->bs * D;
+    const float *kpool = (const float *)j->kpool, *vpool = (const float *)j->vpool;
+    float *qt = (float *)scratch;                  /* [D][32] queries by dim */
+    float *s = qt + (int64_t)D * PF_QT;            /* [S][32] scores, then exps */
+    int64_t *vo = (int64_t *)(s + (int64_t)S * PF_QT); /* [S] the split's value rows */
+    float *o = (float *)(vo + S);                  /* [32][D] output accumulators */
+    float cs[PF_QT];
+    for (int i = 0; i < PF_QT; i++) {
+        const float *qv = i < nq ? j->q + (int64_t)(qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh : NULL;
+        for (int d = 0; d < D; d++) qt[d * PF_QT + i] = qv ? qv[d] : 0.0f; /* past the row's end: zeros, never stored */
+    }
+    memset(o, 0, sizeof(float) * PF_QT * D);
+    const int pos0 = kv - ql + i0, posl = pos0 + nq - 1;
+    const int lo = (j->window > 0 && pos0 - j->window + 1 > 0) ? pos0 - j->window + 1 : 0;
+    const uint32_t live = nq >= 32 ? 0xFFFFFFFFu : ((1u << nq) - 1u);
+    const int full_lo = j->window > 0 ? posl - j->window + 1 : 0;
+    const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
+        const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
+        __m512 mx[2] = {ninf, ninf};
+        for (int kb = 0; kb < n; kb += PF_KB) {
+            const float *kr[PF_KB];
+            for (int u = 0; u < PF_KB; u++) kr[u] = kpool + key_at(j, table, head_base, a + kb + u <= c1 ? a + kb + u : c1);
+            __m512 acc[PF_KB][2];
+            for (int u = 0; u < PF_KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d++) {
+                const __m512 qa = _mm512_loadu_ps(qt + d * PF_QT), qb = _mm512_loadu_ps(qt + d * PF_QT + 16);
+                for (int u = 0; u < PF_KB; u++) {
+                    const __m512 kd = _mm512_set1_ps(kr[u][d]);
+                    acc[u][0] = _mm512_fmadd_ps(qa, kd, acc[u][0]);
+                    acc[u][1] = _mm512_fmadd_ps(qb, kd, acc[u][1]);
+                }
+            }
+            const int un = n - kb < PF_KB ? n - kb : PF_KB;
+            for (int u = 0; u < un; u++) {
+                const uint32_t mk = pf_mask(a + kb + u, full_lo, pos0, live, nq, j->window);
+                for (int v = 0; v < 2; v++) {
+                    const __m512 sc = _mm512_mul_ps(acc[u][v], scale);
+                    _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16 * v, sc);
+                    mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v], sc);
+                }
+            }
+        }
+        __m512 mn[2], esum[2];
+        split_rescale(m, l, mx, mn, esum, cs);
+        for (int k = 0; k < n; k++) {
+            const uint32_t mk = pf_mask(a + k, full_lo, pos0, live, nq, j->window);
+            for (int v = 0; v < 2; v++) {
+                float *sk = s + (int64_t)k * PF_QT + 16 * v;
+                const __m512 e = _mm512_maskz_mov_ps((__mmask16)(mk >> (16 * v)),
+                                                     fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sk), mn[v])));
+                esum[v] = _mm512_add_ps(esum[v], e);
+                _mm512_storeu_ps(sk, e);
+            }
+            vo[k] = key_at(j, table, head_base, a + k);
+        }
+        for (int v = 0; v < 2; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
+        for (int i = 0; i < nq; i += PF_NQ) {
+            if (nq - i >= PF_NQ)
+                pv_group_f32(o + (int64_t)i * D, cs + i, s + i, vpool, vo, n, nd, PF_NQ);
+            else
+                for (int q = i; q < nq; q++) pv_group_f32(o + (int64_t)q * D, cs + q, s + q, vpool, vo, n, nd, 1);
+        }
+    }
+    tile_store(j, o, l, r, h, i0, nq, nd);
+}
+
+static void prefill_item_f32(const job_t *j, int r, int h, int i0, char *scratch) {
+    if (j->dim == 64)
+        prefill_tile_f32(j, r, h, i0, 4, scratch);
+    else if (j->dim == 128)
+        prefill_tile_f32(j, r, h, i0, 8, scratch);
+    else
+        prefill_tile_f32(j, r, h, i0, j->dim / 16, scratch);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static inline __m512 dpbf(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+/* The bfloat16 pair (x[0], x[1]) of two floats that are bfloat16 values: their upper halves, x[0] in the low one. */
+static inline uint32_t bf_pair(const float *x) {
+    union { float f; uint32_t u; } a, b;
+    a.f = x[0];
+    b.f = x[1];
+    return (a.u >> 16) | (b.u & 0xFFFF0000u);
 }
 
 /* The values' share of `gq` queries (a constant where inlined) for one split: their accumulators `o` ([gq][D]) scaled
@@ -329,7 +474,7 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
     uint32_t *pp = (uint32_t *)(s + (int64_t)S * PF_QT);      /* [pairs][32] probability pairs */
     uint16_t *vp = (uint16_t *)(pp + (int64_t)pairs_max * PF_QT); /* [pairs][D][2] values by key pairs */
     float *o = (float *)(vp + (int64_t)pairs_max * 2 * D);    /* [32][D] output accumulators */
-    float cs[PF_QT], ls[PF_QT];
+    float cs[PF_QT];
     for (int i = 0; i < PF_QT; i++) {
         if (i >= nq) { /* past the row's last query: zero pairs (their lanes are computed, never stored) */
             for (int d = 0; d < P; d++) qp[d * PF_QT + i] = 0u;
@@ -344,11 +489,8 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
     const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    /* Keys every live query of the tile sees (causal: at or before the first query; window: inside the last
-     * query's): their mask is the live lanes, without tile_mask. */
     const uint32_t live = nq >= 32 ? 0xFFFFFFFFu : ((1u << nq) - 1u);
     const int full_lo = j->window > 0 ? posl - j->window + 1 : 0;
-#define PF_MASK(p) ((p) >= full_lo && (p) <= pos0 ? live : tile_mask((p), pos0, nq, j->window))
     __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
@@ -371,7 +513,7 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
             }
             const int un = n - kb < PF_KB ? n - kb : PF_KB;
             for (int u = 0; u < un; u++) { /* the scores, and the split's max over the keys each query sees */
-                const uint32_t mk = PF_MASK(a + kb + u);
+                const uint32_t mk = pf_mask(a + kb + u, full_lo, pos0, live, nq, j->window);
                 for (int v = 0; v < 2; v++) {
                     const __m512 sc = _mm512_mul_ps(acc[u][v], scale);
                     _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16 * v, sc);
@@ -380,21 +522,13 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
             }
         }
         __m512 mn[2], esum[2];
-        for (int v = 0; v < 2; v++) {
-            mn[v] = _mm512_max_ps(m[v], mx[v]);
-            const __mmask16 up = _mm512_cmp_ps_mask(mn[v], m[v], _CMP_GT_OQ);
-            const __m512 c = _mm512_mask_blend_ps(up, _mm512_set1_ps(1.0f), fast_exp16(_mm512_sub_ps(m[v], mn[v])));
-            l[v] = _mm512_mul_ps(l[v], c);
-            _mm512_storeu_ps(cs + 16 * v, c);
-            m[v] = mn[v];
-            esum[v] = _mm512_setzero_ps();
-        }
+        split_rescale(m, l, mx, mn, esum, cs);
         /* per pair of keys: the exps (summed unrounded, in key order), rounded to bf16 and packed as pairs for the
          * values' dot products; and the pair's values interleaved */
         const int np = (n + 1) / 2;
         for (int t = 0; t < np; t++) {
             const int k0 = 2 * t, k1 = 2 * t + 1;
-            const uint32_t mk0 = PF_MASK(a + k0), mk1 = k1 < n ? PF_MASK(a + k1) : 0u;
+            const uint32_t mk0 = pf_mask(a + k0, full_lo, pos0, live, nq, j->window), mk1 = k1 < n ? pf_mask(a + k1, full_lo, pos0, live, nq, j->window) : 0u;
             for (int v = 0; v < 2; v++) {
                 const __m512 e0 = _mm512_maskz_mov_ps(
                     (__mmask16)(mk0 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v), mn[v])));
@@ -427,17 +561,10 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
                 for (int q = i; q < nq; q++) pv_group(o + (int64_t)q * D, cs + q, pp + q, vp, np, nd, 1);
         }
     }
-#undef PF_MASK
-    _mm512_storeu_ps(ls, l[0]);
-    _mm512_storeu_ps(ls + 16, l[1]);
-    for (int i = 0; i < nq; i++) {
-        float *dst = j->out + ((int64_t)(qs + i0 + i) * j->hq + h) * D;
-        const __m512 inv = _mm512_set1_ps(1.0f / ls[i]);
-        for (int x = 0; x < nd; x++) _mm512_storeu_ps(dst + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)i * D + 16 * x), inv));
-    }
+    tile_store(j, o, l, r, h, i0, nq, nd);
 }
 
-static void prefill_item(const job_t *j, int r, int h, int i0, char *scratch) {
+static void prefill_item_bf16(const job_t *j, int r, int h, int i0, char *scratch) {
     if (j->dim == 64)
         prefill_tile(j, r, h, i0, 4, scratch);
     else if (j->dim == 128)
@@ -445,40 +572,66 @@ static void prefill_item(const job_t *j, int r, int h, int i0, char *scratch) {
     else
         prefill_tile(j, r, h, i0, j->dim / 16, scratch);
 }
+#define PREFILL_BF16_BUILT 1
+#else
+#define PREFILL_BF16_BUILT 0
+static void prefill_item_bf16(const job_t *j, int r, int h, int i0, char *scratch) {} /* never called: no AVX512-BF16 */
+#endif
 
-int paged_prefill_available(void) { return 1; }
+/* 1: the float32 prefill path is built; | 2: the bfloat16 one too (AVX512-BF16). */
+int paged_prefill_available(void) { return 1 | (PREFILL_BF16_BUILT ? 2 : 0); }
 
 int64_t paged_prefill_scratch(int dim, int split) { return prefill_scratch(dim, split); }
 
-/* Attention of prefill rows (many new tokens each) over bfloat16 pools, with the arguments of paged_attention_bf16
- * (float32 queries holding bfloat16 values) and `scratch`: `threads` * paged_prefill_scratch(dim, split) bytes.
- * Work items are (row, query head, tile of 32 queries). Returns 0, or -1 for shapes it does not serve (a head dim
- * not a multiple of 16 or over 256, a split over MAX_SPLIT, a soft-cap, too little scratch). */
-int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kpool, const uint16_t *vpool,
-                       int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
-                       int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
-                       int rows, float scale, float softcap, int window, int split, float *out, int threads,
-                       char *scratch, int64_t scratch_bytes) {
-    if (dim % 16 != 0 || dim > PF_MAX_DIM || split < 1 || split > MAX_SPLIT || softcap > 0.0f || hkv <= 0 ||
-        hq % hkv != 0 || threads < 1 || scratch_bytes < (int64_t)threads * prefill_scratch(dim, split))
+/* Work items (row, query head, tile of 32 queries) of the prefill rows over both threads; -1 for shapes it does not
+ * serve (a head dim not a multiple of 16 or over 256, a split over MAX_SPLIT, a soft-cap, too little scratch). */
+static int prefill_run(const job_t *j, int threads, char *scratch, int64_t scratch_bytes, int bf) {
+    if (j->dim % 16 != 0 || j->dim > PF_MAX_DIM || j->split < 1 || j->split > MAX_SPLIT || j->softcap > 0.0f ||
+        j->hkv <= 0 || j->hq % j->hkv != 0 || threads < 1 ||
+        scratch_bytes < (int64_t)threads * prefill_scratch(j->dim, j->split) || (bf && !PREFILL_BF16_BUILT))
         return -1;
-    job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
-               table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
+    const int32_t *q_len = j->q_len;
+    const int hq = j->hq;
     int items = 0;
-    for (int r = 0; r < rows; r++) items += hq * ((q_len[r] + PF_QT - 1) / PF_QT);
+    for (int r = 0; r < j->rows; r++) items += hq * ((q_len[r] + PF_QT - 1) / PF_QT);
     const int n = threads < items ? threads : items;
-    const int64_t per = prefill_scratch(dim, split);
+    const int64_t per = prefill_scratch(j->dim, j->split);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n > 0 ? n : 1)
     for (int it = 0; it < items; it++) {
         int r = 0, rest = it;
         while (rest >= hq * ((q_len[r] + PF_QT - 1) / PF_QT)) rest -= hq * ((q_len[r++] + PF_QT - 1) / PF_QT);
         const int tiles = (q_len[r] + PF_QT - 1) / PF_QT;
-        prefill_item(&j, r, rest / tiles, (rest % tiles) * PF_QT, scratch + (int64_t)omp_get_thread_num() * per);
+        char *mine = scratch + (int64_t)omp_get_thread_num() * per;
+        if (bf)
+            prefill_item_bf16(j, r, rest / tiles, (rest % tiles) * PF_QT, mine);
+        else
+            prefill_item_f32(j, r, rest / tiles, (rest % tiles) * PF_QT, mine);
     }
     return 0;
 }
-#endif
 
+/* Attention of prefill rows (many new tokens each), with the arguments of paged_attention_bf16 (float32 queries
+ * holding bfloat16 values) and `scratch`: `threads` * paged_prefill_scratch(dim, split) bytes. 0, or -1 (above). */
+int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kpool, const uint16_t *vpool,
+                       int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                       int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                       int rows, float scale, float softcap, int window, int split, float *out, int threads,
+                       char *scratch, int64_t scratch_bytes) {
+    const job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
+                     table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
+    return prefill_run(&j, threads, scratch, scratch_bytes, 1);
+}
+
+/* The same over float32 pools. */
+int paged_prefill_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kpool, const float *vpool,
+                      int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                      int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                      int rows, float scale, float softcap, int window, int split, float *out, int threads,
+                      char *scratch, int64_t scratch_bytes) {
+    const job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
+                     table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
+    return prefill_run(&j, threads, scratch, scratch_bytes, 0);
+}
 static inline __attribute__((always_inline)) void item_as(const job_t *j, int r, int g, const int bf) {
     if (j->dim == 64)
         run_item16(j, r, g, 4, bf);  /* the common head dims, unrolled with their accumulators in registers */
@@ -534,7 +687,7 @@ int paged_attention_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint1
                kv_len, rows, scale, softcap, window, split, out, threads, 1);
 }
 
-#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
+#if !defined(__AVX512F__)
 int paged_prefill_available(void) { return 0; }
 
 int64_t paged_prefill_scratch(int dim, int split) { return 0; }
@@ -544,6 +697,14 @@ int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_
                        int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
                        int rows, float scale, float softcap, int window, int split, float *out, int threads,
                        char *scratch, int64_t scratch_bytes) {
-    return -1; /* this CPU (or compiler target) has no AVX512-BF16: the torch path */
+    return -1; /* this CPU (or compiler target) has no AVX-512: the torch path */
+}
+
+int paged_prefill_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kpool, const float *vpool,
+                      int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                      int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                      int rows, float scale, float softcap, int window, int split, float *out, int threads,
+                      char *scratch, int64_t scratch_bytes) {
+    return -1;
 }
 #endif

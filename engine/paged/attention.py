@@ -7,10 +7,10 @@ this step and how many of its tokens are new. The model runs on its own modeling
 * ``PagedKV`` stands in for its cache: ``update`` writes each layer's new keys and values into the pool at the
   rows' slots (one ``index_copy_`` per side) and hands them back;
 * the attention function ``paged_attention`` (registered as ``ATTENTION_NAME``) reads each row's keys and values
-  from the pool where they lie: rows with few new tokens (decoding) through the C kernel, in place; bf16 rows with
-  several (prefill chunks, steps of several rows, a CPU with AVX512-BF16) through the kernel's prefill path, in
-  place too; other rows with many, or where the kernel is unavailable, gathered and run through SDPA (or, with a
-  logit soft-cap, the eager formula).
+  from the pool where they lie: rows with few new tokens (decoding) through the C kernel, in place; rows with
+  several in steps of several rows (prefill chunks beside decoding rows, a CPU with AVX-512; bf16 with
+  AVX512-BF16) through the kernel's prefill path, in place too; other rows with many (a prompt alone in its step),
+  or where the kernel is unavailable, gathered and run through SDPA (or, with a logit soft-cap, the eager formula).
 
 The model computes no mask (transformers makes none for an attention implementation it has no mask function
 for): causality, sliding windows and the rows' boundaries come from the batch.
@@ -39,6 +39,8 @@ KERNEL_SPLIT = 512  # the kernel's online softmax runs over splits of this many 
 KERNEL_BF16 = True  # bf16 pools: the kernel serves steps of several rows (a lone row keeps SDPA, bit for bit)
 PREFILL_BF16 = True  # ... and its rows of several new tokens by AVX512-BF16 dot products (bench_agent_attention)
 PREFILL_MIN_QUERIES = 5  # bf16 rows with at least this many new tokens take that prefill path (faster from 5 on)
+PREFILL_F32 = True  # float32 rows of several new tokens in steps of several rows: the kernel's fp32 prefill path
+PREFILL_MIN_QUERIES_F32 = 8  # ... from this many new tokens (bench_agent_attention); a lone row keeps SDPA
 TWO_QUERIES_BF16 = True  # a bf16 decoding row on the torch path beside other rows runs SDPA on its query twice
 
 _current: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("prefixcache_step", default=None)
@@ -105,7 +107,7 @@ class StepBatch:
     positions: torch.Tensor  # [T] long
     kernel_rows: list[int]  # rows attended by the C kernel's decode path
     torch_rows: list[int]  # rows attended by the torch path
-    prefill_rows: list[int] = field(default_factory=list)  # rows attended by the C kernel's bf16 prefill path
+    prefill_rows: list[int] = field(default_factory=list)  # rows attended by the C kernel's prefill path
     kernel: KernelRows | None = None  # the kernel rows as the kernel reads them
     prefill: KernelRows | None = None  # the prefill rows likewise
     layer: int = -1
@@ -137,10 +139,10 @@ class StepBatch:
             at += r.q_len
         device = pool.device
         lib = kernel.load() if use_kernel and device.type == "cpu" and _kernel_dtype(pool.dtype, len(rows)) else None
-        long_ok = lib is not None and pool.dtype == torch.bfloat16 and PREFILL_BF16 and kernel.prefill_available(lib)
+        least = _prefill_from(lib, pool.dtype, len(rows))
         prows, krows, trows = [], [], []  # each row to one path: the prefill path, the decode path, or torch
         for i, r in enumerate(rows):
-            if long_ok and r.q_len >= PREFILL_MIN_QUERIES:
+            if r.q_len >= least:
                 prows.append(i)
             elif lib is not None and r.q_len <= KERNEL_MAX_QUERIES:
                 krows.append(i)
@@ -203,6 +205,20 @@ class StepBatch:
                 m &= k_pos > q_pos - window
             self._masks[key] = m
         return m
+
+
+def _prefill_from(lib: ctypes.CDLL | None, dtype: torch.dtype, rows: int) -> float:
+    """The fewest new tokens a row of a step of ``rows`` rows needs to take the kernel's prefill path (infinity:
+    none does). bfloat16: ``PREFILL_MIN_QUERIES`` (the kernel serves bf16 steps of several rows only, see
+    ``_kernel_dtype``). float32: ``PREFILL_MIN_QUERIES_F32``, in steps of several rows too: a lone row's prefill keeps
+    SDPA, bit for bit the bare model's (a prompt scored alone), as its chunks beside other rows were before."""
+    if lib is None or not kernel.prefill_available(lib, dtype):
+        return math.inf
+    if dtype == torch.bfloat16 and PREFILL_BF16:
+        return PREFILL_MIN_QUERIES
+    if dtype == torch.float32 and PREFILL_F32 and rows > 1:
+        return PREFILL_MIN_QUERIES_F32
+    return math.inf
 
 
 def _kernel_dtype(dtype: torch.dtype, rows: int) -> bool:
@@ -346,7 +362,7 @@ def _kernel_attention(
     window: int,
     out: torch.Tensor,
 ) -> None:
-    """Attention of the batch's kernel rows (the decode path) and prefill rows (the bf16 prefill path) through the
+    """Attention of the batch's kernel rows (the decode path) and prefill rows (its prefill path) through the
     C kernel, into ``out``; rows it does not serve (a bf16 soft-cap, a shape beyond its limits) take the torch path."""
     lib = kernel.load()
     assert lib is not None
@@ -358,9 +374,9 @@ def _kernel_attention(
         if not which:
             continue
         assert arrays is not None
-        if (bf16 and cap) or (prefill and q.dtype != torch.bfloat16):
+        if (bf16 and cap) or (prefill and q.dtype != kpool.dtype):
             # bf16 soft-capped scores: the torch path's eager formula (bf16 scores), not fp32 ones; the prefill path
-            # takes bf16 queries only (it reads them as bf16 pairs)
+            # takes queries of the pool's dtype only (bf16 ones it reads as bf16 pairs)
             fallback += which
             continue
         if qf is None:
@@ -398,7 +414,9 @@ def _kernel_attention(
         ]
         if prefill:
             scratch = _scratch(threads * int(lib.paged_prefill_scratch(q.shape[2], KERNEL_SPLIT)))
-            rc = lib.paged_prefill_bf16(*args, ctypes.c_void_p(scratch.data_ptr()), scratch.numel())
+            rc = (lib.paged_prefill_bf16 if bf16 else lib.paged_prefill_f32)(
+                *args, ctypes.c_void_p(scratch.data_ptr()), scratch.numel()
+            )
         else:
             rc = (lib.paged_attention_bf16 if bf16 else lib.paged_attention_f32)(*args)
         if rc != 0:  # shapes beyond the kernel's limits: the torch path for these rows

@@ -1,5 +1,5 @@
-"""The C attention kernel (``_paged_attention.c``: its decode path, and its bf16 prefill path where the CPU has
-AVX512-BF16): built with the system C compiler on first use, loaded with ctypes.
+"""The C attention kernel (``_paged_attention.c``: its decode path, and its prefill paths where the compiler targets
+AVX-512, bf16 with AVX512-BF16): built with the system C compiler on first use, loaded with ctypes.
 
 The shared object goes to ``$PREFIXCACHE_KERNEL_DIR`` (default ``~/.cache/prefixcache/kernels``), named by a hash
 of the source, the flags and this CPU, and is rebuilt only when one of those changes. ``load()`` returns None,
@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+import torch
 
 SOURCE = Path(__file__).with_name("_paged_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-fopenmp")
@@ -100,14 +102,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         # kv_len, rows, scale, softcap, window, split, out, threads
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr, i32, f32, f32, i32]
         fn.argtypes += [i32, ptr, i32]
-    lib.paged_prefill_bf16.restype = ctypes.c_int
-    lib.paged_prefill_bf16.argtypes = [*lib.paged_attention_bf16.argtypes, ptr, i64]  # ..., scratch, its bytes
+    for fn in (lib.paged_prefill_f32, lib.paged_prefill_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [*lib.paged_attention_bf16.argtypes, ptr, i64]  # ..., scratch, its bytes
     lib.paged_prefill_scratch.restype = i64
     lib.paged_prefill_scratch.argtypes = [i32, i32]  # head dim, split: bytes per thread
     lib.paged_prefill_available.restype = ctypes.c_int
     lib.paged_prefill_available.argtypes = []
 
 
-def prefill_available(lib: ctypes.CDLL) -> bool:
-    """Whether the library was built with its bf16 prefill path (a compiler target with AVX512-BF16)."""
-    return bool(lib.paged_prefill_available())
+def prefill_available(lib: ctypes.CDLL, dtype: torch.dtype) -> bool:
+    """Whether the library was built with its prefill path for pools of ``dtype``: float32 where the compiler
+    targets AVX-512, bfloat16 where it targets AVX512-BF16 too."""
+    built = int(lib.paged_prefill_available())
+    return bool(built & 1) if dtype == torch.float32 else bool(built & 2) if dtype == torch.bfloat16 else False

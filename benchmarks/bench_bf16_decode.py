@@ -18,10 +18,12 @@ torch's CPU flash attention takes a slow path for a single bf16 query. This meas
   relative to the largest |logit|, and the steps whose argmax differs. Beside a second row the linears compute two
   rows at once, which already moves the logits by bf16 rounding; the question is whether the attention adds to it.
   The prompt's own logits (every position) are compared too: prefilled alone (SDPA, the bare model's call), or
-  beside the second prompt in one step, by SDPA or by the kernel's bf16 prefill path (``PREFILL_BF16``);
+  beside the second prompt in one step, by SDPA or by the kernel's bf16 prefill path (``PREFILL_BF16``); and the
+  same for the fp32 model (``prompt_logits_f32``: beside the second prompt by SDPA or the fp32 prefill path);
 - ``step``: one engine step of 7 decoding rows of 2,000 tokens and a 249-token prefill chunk (its prompt 3,000
   tokens): ms per step, bf16 by each path (the kernel with its prefill path, the kernel with the chunk by SDPA,
-  SDPA twice, SDPA once), and fp32 (the C kernel), medians of 6 steps.
+  SDPA twice, SDPA once), and fp32 (the C kernel with its prefill path, or with the chunk by SDPA), medians of 6
+  steps.
 
 Writes JSON (``benchmarks/results/bf16_decode.json``).
 """
@@ -186,6 +188,40 @@ def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, An
     return out
 
 
+def prompt_logits_f32(model_name: str, prompts: list[int]) -> list[dict[str, Any]]:
+    """fp32: every position's logits of a prompt prefilled beside a second one in one step, by SDPA or by the
+    kernel's fp32 prefill path (``PREFILL_F32``), against the bare fp32 model's."""
+    model, _ = build_preset(model_name, dtype=torch.float32)
+    pcm = PrefixCachedModel(model, max_cached_tokens=2 * (max(prompts) + 32))
+    assert pcm.pool is not None
+    runner = PagedRunner(model, pcm.pool)
+    vocab = int(model.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for n in prompts:
+        ids = torch.randint(3, min(vocab, 259), (n,), generator=gen)
+        other = torch.randint(3, min(vocab, 259), (n,), generator=gen)
+        nb = -(-(n + 1) // pcm.pool.block_size)
+        with torch.inference_mode():
+            ref = model(input_ids=ids[None]).logits[0].float()
+            for prefill in ("sdpa", "kernel"):
+                attention.PREFILL_F32 = prefill == "kernel"
+                try:
+                    both = runner.batch([Row(0, n, n, list(range(nb))), Row(n, n, n, list(range(nb, 2 * nb)))])
+                    assert both.prefill_rows == ([0, 1] if prefill == "kernel" else []), both.prefill_rows
+                    got = runner.forward(both, torch.cat([ids, other]), torch.arange(n)).float()
+                finally:
+                    attention.PREFILL_F32 = True
+                worst = float(((got - ref).abs().amax(dim=1) / ref.abs().amax(dim=1)).max())
+                flips = int((got.argmax(dim=1) != ref.argmax(dim=1)).sum())
+                out.append({"prompt": n, "prefill": prefill, "max_rel_diff": worst, "argmax_differs": flips})
+                print(
+                    f"  fp32 prompt logits: prompt {n:5d} beside another, by {prefill:6s}: max rel diff {worst:.2e}, "
+                    f"argmax differs {flips}/{n}"
+                )
+    return out
+
+
 STEP_MODES = {
     "kernel": "the C kernel",
     "kernel, SDPA prefill": "the C kernel, the prefill chunk by SDPA",
@@ -197,10 +233,10 @@ STEP_MODES = {
 def step(model_name: str) -> list[dict[str, Any]]:
     """ms per engine step: 7 decoding rows of 2,000 tokens beside a prefill chunk (medians of 6 steps)."""
     out = []
-    modes = [("bfloat16", m) for m in STEP_MODES] + [("float32", "kernel")]
+    modes = [("bfloat16", m) for m in STEP_MODES] + [("float32", "kernel"), ("float32", "kernel, SDPA prefill")]
     for dtype, mode in modes:
         attention.TWO_QUERIES_BF16, attention.KERNEL_BF16 = mode != "one", mode.startswith("kernel")
-        attention.PREFILL_BF16 = mode == "kernel"
+        attention.PREFILL_BF16 = attention.PREFILL_F32 = mode == "kernel"
         try:
             pcm = PrefixCachedModel.from_pretrained(model_name, dtype=getattr(torch, dtype), max_cached_tokens=40_000)
             engine = pcm.runtime.engine()
@@ -228,6 +264,7 @@ def step(model_name: str) -> list[dict[str, Any]]:
                     times.append(engine.stats.forward_s - before)
         finally:
             attention.TWO_QUERIES_BF16, attention.KERNEL_BF16, attention.PREFILL_BF16 = True, True, True
+            attention.PREFILL_F32 = True
         ms = statistics.median(times) * 1e3
         out.append({"dtype": dtype, "decode_rows": mode, "step_ms": ms})
         print(f"  step: {dtype}, decoding rows by {STEP_MODES[mode]}: {ms:.1f} ms")
@@ -259,6 +296,12 @@ def main() -> None:
             f"{r['kernel_max_abs_diff']:.1e}; largest |output| {r['max_abs_output']:.1e})"
         )
     result["logits"] = logits(args.model, args.prompts, args.steps)
+    result["prompt_logits_f32"] = f32 = prompt_logits_f32(args.model, args.prompts)
+    for how in ("sdpa", "kernel"):  # fp32 prompts beside another: the largest difference, the argmax flips
+        result[f"f32_prefill_{how}"] = {
+            "max_rel_diff": max(r["max_rel_diff"] for r in f32 if r["prefill"] == how),
+            "argmax_differs": sum(r["argmax_differs"] for r in f32 if r["prefill"] == how),
+        }
     result["step"] = step(args.model)
     cases = {
         "alone": "alone",

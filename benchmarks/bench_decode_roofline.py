@@ -10,7 +10,10 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   torch's threads), before and after the decode runs: the better of the two (the shared host's bandwidth drifts);
 - in the serving process's malloc (``engine.malloc``), per dtype, ``--rows`` requests of ``--context`` distinct tokens through the engine until all decode, then
   ``--steps`` decode-only steps: the forward's time per step, the bytes it must read (``_roofline.decode_bytes``:
-  weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth.
+  weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth; and the step's parts:
+  attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
+  packed linears (timed around each call) against the weights' bytes, and the rest (the modeling code's other ops,
+  sampling, bookkeeping).
 
 No peer runs here: vLLM's step rate on the same shape comes from ``benchmarks/serve_peers.py`` (its README says
 how). Writes JSON (``benchmarks/results/decode_roofline.json``).
@@ -39,6 +42,7 @@ from engine.batching.offline import sampling_params
 from engine.batching.request import Request
 from engine.kv_pool import bytes_per_token
 from engine.malloc import keep_freed_memory
+from engine.paged import kernel, linear
 
 
 def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
@@ -61,26 +65,53 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     ]
     for r in reqs:
         engine.submit(r)
-    with torch.inference_mode():
-        while not all(r.output for r in reqs):  # prefill until every row decodes
-            engine.step()
-        engine.step()  # one decode step of all rows as a warm-up
-        times, kv_tokens = [], []
-        for _ in range(args.steps):
-            before = engine.stats.forward_s
-            kv_tokens.append(sum(r.computed for r in reqs))
-            engine.step()
-            times.append(engine.stats.forward_s - before)
+    spent = {"linears": 0.0}
+    packed = linear._packed_forward
+
+    def timed(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:  # the packed linears, timed
+        forward = packed(weight, bias)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter()
+            y = forward(x)
+            spent["linears"] += time.perf_counter() - t0
+            return y
+
+        return run
+
+    linear._packed_forward = timed
+    try:
+        with torch.inference_mode():
+            while not all(r.output for r in reqs):  # prefill until every row decodes
+                engine.step()
+            engine.step()  # one decode step of all rows as a warm-up
+            times, kv_tokens, attn, lin = [], [], [], []
+            for _ in range(args.steps):
+                before, att0, lin0 = engine.stats.forward_s, engine.stats.attention_s, spent["linears"]
+                kv_tokens.append(sum(r.computed for r in reqs))
+                engine.step()
+                times.append(engine.stats.forward_s - before)
+                attn.append(engine.stats.attention_s - att0)
+                lin.append(spent["linears"] - lin0)
+    finally:
+        linear._packed_forward = packed
     per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
     moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]
     gbs = [b / t / 1e9 for b, t in zip(moved, times)]
     parts = decode_bytes(model, int(statistics.median(kv_tokens)), per_token)
+    attn_s, lin_s = statistics.median(attn), statistics.median(lin)
     return {
         "dtype": dtype,
         "rows": args.rows,
         "context": args.context,
-        "c_kernel": bool(engine.runner.use_kernel and torch_dtype == torch.float32),  # else the torch path
+        "c_kernel": bool(engine.runner.use_kernel and kernel.load() is not None),  # else the torch path
         "step_ms": 1e3 * statistics.median(times),
+        # the step's parts: attention over the pool (the K/V write included) and the linears (the weights), medians
+        "attention_ms": 1e3 * attn_s,
+        "attention_gbs": parts["kv"] / attn_s / 1e9,
+        "linears_ms": 1e3 * lin_s,
+        "linears_gbs": parts["weights"] / lin_s / 1e9,
+        "rest_ms": 1e3 * (statistics.median(times) - attn_s - lin_s),
         "weights_bytes": parts["weights"],
         "kv_bytes": parts["kv"],
         "bytes_per_step": parts["total"],
@@ -114,11 +145,15 @@ def main() -> None:
     print(f"memory bandwidth after: read {after['read']:.1f} GB/s, copy {after['copy']:.1f} GB/s")
     for r in rows:
         r["fraction_of_read_bandwidth"] = r["gbs"] / bandwidth["read"]
+        for part in ("attention", "linears"):
+            r[f"{part}_fraction"] = r[f"{part}_gbs"] / bandwidth["read"]
         print(
             f"{r['dtype']}: {r['step_ms']:.1f} ms per decode step of {args.rows} rows x {args.context} tokens, "
             f"{r['bytes_per_step'] / 1e6:.0f} MB read ({r['weights_bytes'] / 1e6:.0f} weights + "
             f"{r['kv_bytes'] / 1e6:.0f} K/V): {r['gbs']:.1f} GB/s = {r['fraction_of_read_bandwidth']:.0%} of the "
-            f"read bandwidth ({bandwidth['read']:.1f} GB/s, the better of before and after)"
+            f"read bandwidth ({bandwidth['read']:.1f} GB/s, the better of before and after); of which attention "
+            f"{r['attention_ms']:.1f} ms ({r['attention_fraction']:.0%} of it on the K/V), linears {r['linears_ms']:.1f} "
+            f"ms ({r['linears_fraction']:.0%} on the weights), the rest {r['rest_ms']:.1f} ms"
         )
     payload = {
         "model": args.model,

@@ -64,7 +64,7 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    return madvise(ctypes.c_void_p(start), stop - start, MADV_HUGEPAGE) == 0
+    return bool(madvise(ctypes.c_void_p(start), stop - start, MADV_HUGEPAGE) == 0)
 
 
 def keep_freed_memory() -> bool:

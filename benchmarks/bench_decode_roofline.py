@@ -13,7 +13,9 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth; and the step's parts:
   attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
   packed linears (timed around each call) against the weights' bytes, and the rest (the modeling code's other ops,
-  sampling, bookkeeping).
+  sampling, bookkeeping);
+- the decode path alone over rows whose blocks lie in order or scattered in the pool, as a serving pool's end up
+  (``blocks_read``).
 
 No peer runs here: vLLM's step rate on the same shape comes from ``benchmarks/serve_peers.py`` (its README says
 how). Writes JSON (``benchmarks/results/decode_roofline.json``).
@@ -40,8 +42,9 @@ from _roofline import decode_bytes, stream_gbs
 from engine import PrefixCachedModel
 from engine.batching.offline import sampling_params
 from engine.batching.request import Request
-from engine.kv_pool import bytes_per_token
+from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
 from engine.malloc import keep_freed_memory
+from engine.models import PRESETS
 from engine.paged import kernel, linear
 
 
@@ -120,6 +123,81 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     }
 
 
+def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> list[dict[str, Any]]:
+    """The decode path alone (one layer's attention of ``--rows`` rows of ``--context`` tokens, one query each) over
+    4 pools (layers) of ``--rows`` x ``--context`` tokens each, more than the L3 holds: the rows' blocks in order or
+    scattered (a random permutation, as a serving pool's end up). ms per layer (the best of 3 medians of 10 passes
+    over the 4, the two orders in turn) and GB/s of K/V read."""
+    lib = kernel.load()
+    assert lib is not None, kernel.unavailable_reason()
+    torch_dtype, bs, layers = getattr(torch, dtype), 16, 4
+    nb = -(-args.context // bs)
+    blocks = args.rows * nb + 16
+    fn = lib.paged_attention_bf16 if torch_dtype == torch.bfloat16 else lib.paged_attention_f32
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn((args.rows, heads, dim), generator=gen).to(torch_dtype).float()
+    out = torch.empty((args.rows, heads, dim))
+    q_start = torch.arange(args.rows, dtype=torch.int32)
+    q_len = torch.ones(args.rows, dtype=torch.int32)
+    kv_len = torch.full((args.rows,), args.context, dtype=torch.int32)
+    pool = KVPool([LayerSpec((heads, dim), (heads, dim))] * layers, blocks - 1, bs, dtype=torch_dtype, device="cpu")
+    sides = []
+    for i in range(layers):
+        side = pool.layer(i)
+        assert side is not None
+        side[0].normal_(generator=gen)
+        side[1].normal_(generator=gen)
+        sides.append(side)
+    tables = {}
+    for order in ("in order", "scattered"):
+        ids = torch.arange(blocks) if order == "in order" else torch.randperm(blocks, generator=gen)
+        tables[order] = ids[: args.rows * nb].to(torch.int32).view(args.rows, nb).contiguous()
+    best: dict[str, float] = {}
+    for _ in range(3):  # the orders in turn, 3 times: the host's bandwidth drifts
+        for order, table in tables.items():
+            times = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                for kp, vp in sides:
+                    rc = fn(
+                        q.data_ptr(),
+                        q.stride(0),
+                        q.stride(1),
+                        kp.data_ptr(),
+                        vp.data_ptr(),
+                        kp.shape[1],
+                        bs,
+                        dim,
+                        heads,
+                        heads,
+                        table.data_ptr(),
+                        nb,
+                        q_start.data_ptr(),
+                        q_len.data_ptr(),
+                        kv_len.data_ptr(),
+                        args.rows,
+                        dim**-0.5,
+                        0.0,
+                        0,
+                        512,
+                        out.data_ptr(),
+                        torch.get_num_threads(),
+                    )
+                    assert rc == 0
+                times.append((time.perf_counter() - t0) / layers)
+            ms = 1e3 * statistics.median(times)
+            best[order] = min(ms, best.get(order, ms))
+    kv_bytes = 2 * args.rows * args.context * heads * dim * torch.empty((), dtype=torch_dtype).element_size()
+    found = []
+    for order, ms in best.items():
+        found.append({"dtype": dtype, "blocks": order, "ms": ms, "gbs": kv_bytes / ms / 1e6})
+        print(
+            f"  {dtype} decode path, blocks {order}: {ms:.2f} ms per layer ({found[-1]['gbs']:.1f} GB/s of K/V; "
+            "the best of 3 medians)"
+        )
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
@@ -139,6 +217,13 @@ def main() -> None:
         t0 = time.perf_counter()
         rows.append(decode(args, dtype))
         print(f"{dtype}: {rows[-1]['step_ms']:.1f} ms per step ({time.perf_counter() - t0:.0f} s)")
+    blocks = []
+    if args.model in PRESETS:  # the preset's attention shape (a model folder: skipped)
+        p = PRESETS[args.model]
+        heads = p.num_attention_heads
+        blocks = [
+            b for dtype in args.dtypes for b in blocks_read(args, dtype, heads, p.head_dim or p.hidden_size // heads)
+        ]
     after = stream_gbs()
     # the shared host's bandwidth drifts within a run: the best of the two samples is what it can deliver
     bandwidth = {k: max(before[k], after[k]) for k in ("read", "copy")} | {"before": before, "after": after}
@@ -159,6 +244,7 @@ def main() -> None:
         "model": args.model,
         "bandwidth": bandwidth,
         "decode": rows,
+        "blocks_read": blocks,
         "settings": vars(args),
         "malloc_kept": malloc_kept,
     }

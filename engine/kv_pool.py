@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import malloc, memory
+from engine import memory
 from prefixcache.core.windows import WindowSlots
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -86,7 +86,7 @@ class KVPool:
             self._allocate()
 
     def _allocate(self) -> None:
-        num_blocks, block_size = self.num_blocks, self.block_size
+        dtype, num_blocks, block_size = self.dtype, self.num_blocks, self.block_size
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for spec in self.specs:
             if spec is None:
@@ -96,18 +96,14 @@ class KVPool:
             # one block more than the cache hands out: the scratch block (see scratch_block); window layers: their
             # slots, a scratch slot and a zero slot (what a block without a slot reads)
             n = self.window_slots + 2 if len(self._layers) in self.window_layers else num_blocks + 1
-            self._layers.append((self._zeros((kh, n, block_size * kd)), self._zeros((vh, n, block_size * vd))))
+            self._layers.append(
+                (
+                    torch.zeros((kh, n, block_size * kd), dtype=dtype, device=self.device),
+                    torch.zeros((vh, n, block_size * vd), dtype=dtype, device=self.device),
+                )
+            )
         # reusable gather buffers [1, heads, capacity, dim] per layer and side, grown on demand; see gather()
         self._scratch: list[list[torch.Tensor | None]] = [[None, None] for _ in self.specs]
-
-    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
-        """A zeroed pool side; on the CPU on transparent huge pages where the system gives them (advised before the
-        zeros touch it): a decoding row's blocks lie anywhere in the pool, and with 4 KiB pages each is a TLB miss
-        (``engine.malloc.advise_huge_pages``)."""
-        t = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if t.device.type == "cpu":
-            malloc.advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
-        return t.zero_()
 
     def attach_windows(self, windows: WindowSlots | None) -> None:
         """Read and write the window layers through ``windows``' slots (the cache's window group)."""

@@ -13,12 +13,6 @@ trimmed below 1 GiB of free memory. The process keeps up to its peak of temporar
 computes are unchanged.
 
 ``prefixcache serve`` (and each Ray Serve replica) calls it at start unless ``PREFIXCACHE_MALLOC=default``.
-
-``advise_huge_pages`` asks Linux for transparent huge pages (2 MiB) under a region before it is first touched: the
-KV pool's (``engine.kv_pool``), whose blocks a decoding row reads scattered over gigabytes. With 4 KiB pages
-nearly every block is a TLB miss; measured on 2 cores (8 rows x 1,536 tokens, 12 heads of 64, blocks scattered),
-the C kernel's decode path read bf16 K/V about 1.7x as fast with the pool on huge pages and its per-block
-prefetch. Where THP is ``never`` the advice does nothing; ``PREFIXCACHE_HUGEPAGES=off`` skips it.
 """
 
 from __future__ import annotations
@@ -34,46 +28,19 @@ TRIM_THRESHOLD = 1024 * 1024 * 1024
 ENV = "PREFIXCACHE_MALLOC"
 
 
-MADV_HUGEPAGE = 14  # linux/mman.h
-HUGE_PAGE = 2 * 1024 * 1024
-HUGEPAGES_ENV = "PREFIXCACHE_HUGEPAGES"
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return None
-
-
-def advise_huge_pages(address: int, nbytes: int) -> bool:
-    """Advise transparent huge pages (``madvise(MADV_HUGEPAGE)``) for the 2 MiB-aligned part of ``nbytes`` bytes at
-    ``address``; changes nothing else (the bytes, the mapping). Call it before the memory is first touched. Returns
-    whether the kernel took the advice: False off Linux, under ``PREFIXCACHE_HUGEPAGES=off``, for a region holding
-    no aligned 2 MiB, or where madvise refused."""
-    if os.environ.get(HUGEPAGES_ENV, "").strip().lower() == "off" or os.uname().sysname != "Linux":
-        return False
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    stop = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    libc = _libc()
-    if stop <= start or libc is None:
-        return False
-    madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return bool(madvise(ctypes.c_void_p(start), stop - start, MADV_HUGEPAGE) == 0)
-
-
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (see the module docstring). Returns whether both
     were set: False where ``PREFIXCACHE_MALLOC=default``, the C library is not glibc, or it refused."""
     if os.environ.get(ENV, "").strip().lower() == "default":
         return False
-    libc = _libc()
-    if libc is None or not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl and others have no such thresholds
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl and others have no such thresholds
         return False
     mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

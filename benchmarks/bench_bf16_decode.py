@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +119,33 @@ def sdpa(heads: int, dim: int, contexts: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, Any]]:
-    """The engine's decoding logits against the bare bf16 model's, alone and beside a second row."""
-    model, _ = build_preset(model_name, dtype=torch.bfloat16)
+def two_prompts(
+    model_name: str, dtype: torch.dtype, prompts: list[int], steps: int
+) -> tuple[Any, PagedRunner, int, Iterator[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """The preset in ``dtype``, a paged runner over a pool for two rows of each prompt plus ``steps``, its block
+    size, and per prompt length (n, its tokens, a second prompt's)."""
+    model, _ = build_preset(model_name, dtype=dtype)
     pcm = PrefixCachedModel(model, max_cached_tokens=2 * (max(prompts) + steps + 32))
-    runner = PagedRunner(model, pcm.pool)
+    assert pcm.pool is not None
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
+    pairs = (
+        (
+            n,
+            torch.randint(3, min(vocab, 259), (n,), generator=gen),
+            torch.randint(3, min(vocab, 259), (n,), generator=gen),
+        )
+        for n in prompts
+    )
+    return model, PagedRunner(model, pcm.pool), pcm.pool.block_size, pairs
+
+
+def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, Any]]:
+    """The engine's decoding logits against the bare bf16 model's, alone and beside a second row."""
+    model, runner, bs, pairs = two_prompts(model_name, torch.bfloat16, prompts, steps)
     out = []
-    for n in prompts:
-        ids = torch.randint(3, min(vocab, 259), (n,), generator=gen)
-        other = torch.randint(3, min(vocab, 259), (n,), generator=gen)
-        nb = -(-(n + steps + 1) // pcm.pool.block_size)
+    for n, ids, other in pairs:
+        nb = -(-(n + steps + 1) // bs)
         mine, theirs = list(range(nb)), list(range(nb, 2 * nb))
         for case, beside, two, kern, prefill in (
             ("alone", False, True, True, "alone"),
@@ -191,17 +207,10 @@ def logits(model_name: str, prompts: list[int], steps: int) -> list[dict[str, An
 def prompt_logits_f32(model_name: str, prompts: list[int]) -> list[dict[str, Any]]:
     """fp32: every position's logits of a prompt prefilled beside a second one in one step, by SDPA or by the
     kernel's fp32 prefill path (``PREFILL_F32``), against the bare fp32 model's."""
-    model, _ = build_preset(model_name, dtype=torch.float32)
-    pcm = PrefixCachedModel(model, max_cached_tokens=2 * (max(prompts) + 32))
-    assert pcm.pool is not None
-    runner = PagedRunner(model, pcm.pool)
-    vocab = int(model.config.vocab_size)
-    gen = torch.Generator().manual_seed(0)
+    model, runner, bs, pairs = two_prompts(model_name, torch.float32, prompts, 0)
     out = []
-    for n in prompts:
-        ids = torch.randint(3, min(vocab, 259), (n,), generator=gen)
-        other = torch.randint(3, min(vocab, 259), (n,), generator=gen)
-        nb = -(-(n + 1) // pcm.pool.block_size)
+    for n, ids, other in pairs:
+        nb = -(-(n + 1) // bs)
         with torch.inference_mode():
             ref = model(input_ids=ids[None]).logits[0].float()
             for prefill in ("sdpa", "kernel"):

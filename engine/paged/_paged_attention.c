@@ -290,6 +290,51 @@ static inline uint32_t pf_mask(int p, int full_lo, int pos0, uint32_t live, int 
     return p >= full_lo && p <= pos0 ? live : tile_mask(p, pos0, nq, window);
 }
 
+/* Where a tile of queries i0 .. i0 + 31 of row r (query head h) reads: its live queries, their positions, the keys
+ * they see, the row's block table and the kv head's base in the pool. */
+typedef struct {
+    int nq, pos0, posl, lo, full_lo, S, qs;
+    uint32_t live;
+    const int32_t *table;
+    int64_t head_base;
+} tile_t;
+
+static inline tile_t tile_at(const job_t *j, int r, int h, int i0) {
+    tile_t t;
+    const int ql = j->q_len[r], kv = j->kv_len[r], g = h / (j->hq / j->hkv);
+    t.nq = ql - i0 < PF_QT ? ql - i0 : PF_QT;
+    t.qs = j->q_start[r];
+    t.S = split_size(j, kv);
+    t.table = j->tables + (int64_t)r * j->table_stride;
+    t.head_base = (int64_t)g * j->pool_blocks * j->bs * j->dim;
+    t.pos0 = kv - ql + i0;
+    t.posl = t.pos0 + t.nq - 1;
+    t.lo = (j->window > 0 && t.pos0 - j->window + 1 > 0) ? t.pos0 - j->window + 1 : 0;
+    t.live = t.nq >= 32 ? 0xFFFFFFFFu : ((1u << t.nq) - 1u);
+    t.full_lo = j->window > 0 ? t.posl - j->window + 1 : 0; /* keys from here to pos0: every live query sees them */
+    return t;
+}
+
+/* The mask of key position p for tile t (pf_mask). */
+static inline uint32_t tile_key_mask(const job_t *j, const tile_t *t, int p) {
+    return pf_mask(p, t->full_lo, t->pos0, t->live, t->nq, j->window);
+}
+
+/* A score block's `un` keys from position a + kb: their scaled scores into s ([k][32]), and the split's running
+ * max over the keys each query sees into mx. */
+static inline void store_scores(const job_t *j, const tile_t *t, __m512 acc[PF_KB][2], int un, int a, int kb, float *s,
+                                __m512 mx[2]) {
+    const __m512 scale = _mm512_set1_ps(j->scale);
+    for (int u = 0; u < un; u++) {
+        const uint32_t mk = tile_key_mask(j, t, a + kb + u);
+        for (int v = 0; v < 2; v++) {
+            const __m512 sc = _mm512_mul_ps(acc[u][v], scale);
+            _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16 * v, sc);
+            mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v], sc);
+        }
+    }
+}
+
 /* Bytes of scratch one thread of paged_prefill_bf16 / _f32 uses for head dim `dim` and splits of `split` keys (the
  * larger of the two layouts: queries [dim][32] floats, scores [split][32], probability pairs, values by key pairs or
  * value offsets, output accumulators [32][dim]). */
@@ -356,11 +401,11 @@ static inline __attribute__((always_inline)) void pv_group_f32(float *o, const f
  * place (summed in key order), and the values weighted straight from the pool, 4 queries at a time. */
 static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *j, int r, int h, int i0, const int nd,
                                                                    char *scratch) {
-    const int D = nd * 16, G = j->hq / j->hkv, g = h / G;
-    const int ql = j->q_len[r], kv = j->kv_len[r], qs = j->q_start[r], S = split_size(j, kv);
-    const int nq = ql - i0 < PF_QT ? ql - i0 : PF_QT;
-    const int32_t *table = j->tables + (int64_t)r * j->table_stride;
-    const int64_t head_base = (int64_t)g * j->pool_blocks * j->bs * D;
+    const int D = nd * 16;
+    const tile_t tile = tile_at(j, r, h, i0);
+    const int nq = tile.nq, S = tile.S, qs = tile.qs, lo = tile.lo, posl = tile.posl;
+    const int32_t *table = tile.table;
+    const int64_t head_base = tile.head_base;
     const float *kpool = (const float *)j->kpool, *vpool = (const float *)j->vpool;
     float *qt = (float *)scratch;                  /* [D][32] queries by dim */
     float *s = qt + (int64_t)D * PF_QT;            /* [S][32] scores, then exps */
@@ -372,11 +417,7 @@ static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *
         for (int d = 0; d < D; d++) qt[d * PF_QT + i] = qv ? qv[d] : 0.0f; /* past the row's end: zeros, never stored */
     }
     memset(o, 0, sizeof(float) * PF_QT * D);
-    const int pos0 = kv - ql + i0, posl = pos0 + nq - 1;
-    const int lo = (j->window > 0 && pos0 - j->window + 1 > 0) ? pos0 - j->window + 1 : 0;
-    const uint32_t live = nq >= 32 ? 0xFFFFFFFFu : ((1u << nq) - 1u);
-    const int full_lo = j->window > 0 ? posl - j->window + 1 : 0;
-    const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
@@ -394,20 +435,12 @@ static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *
                     acc[u][1] = _mm512_fmadd_ps(qb, kd, acc[u][1]);
                 }
             }
-            const int un = n - kb < PF_KB ? n - kb : PF_KB;
-            for (int u = 0; u < un; u++) {
-                const uint32_t mk = pf_mask(a + kb + u, full_lo, pos0, live, nq, j->window);
-                for (int v = 0; v < 2; v++) {
-                    const __m512 sc = _mm512_mul_ps(acc[u][v], scale);
-                    _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16 * v, sc);
-                    mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v], sc);
-                }
-            }
+            store_scores(j, &tile, acc, n - kb < PF_KB ? n - kb : PF_KB, a, kb, s, mx);
         }
         __m512 mn[2], esum[2];
         split_rescale(m, l, mx, mn, esum, cs);
         for (int k = 0; k < n; k++) {
-            const uint32_t mk = pf_mask(a + k, full_lo, pos0, live, nq, j->window);
+            const uint32_t mk = tile_key_mask(j, &tile, a + k);
             for (int v = 0; v < 2; v++) {
                 float *sk = s + (int64_t)k * PF_QT + 16 * v;
                 const __m512 e = _mm512_maskz_mov_ps((__mmask16)(mk >> (16 * v)),
@@ -477,11 +510,11 @@ static inline __attribute__((always_inline)) void pv_group(float *o, const float
  * pairs of keys (a split's values interleaved by key pairs in the scratch). */
 static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, int r, int h, int i0, const int nd,
                                                                char *scratch) {
-    const int D = nd * 16, P = D / 2, G = j->hq / j->hkv, g = h / G;
-    const int ql = j->q_len[r], kv = j->kv_len[r], qs = j->q_start[r], S = split_size(j, kv);
-    const int nq = ql - i0 < PF_QT ? ql - i0 : PF_QT;
-    const int32_t *table = j->tables + (int64_t)r * j->table_stride;
-    const int64_t head_base = (int64_t)g * j->pool_blocks * j->bs * D;
+    const int D = nd * 16, P = D / 2;
+    const tile_t tile = tile_at(j, r, h, i0);
+    const int nq = tile.nq, S = tile.S, qs = tile.qs, lo = tile.lo, posl = tile.posl;
+    const int32_t *table = tile.table;
+    const int64_t head_base = tile.head_base;
     const int pairs_max = (S + 1) / 2;
     uint32_t *qp = (uint32_t *)scratch;                       /* [P][32] query pairs */
     float *s = (float *)(qp + (int64_t)P * PF_QT);            /* [S][32] scores, then probabilities */
@@ -498,13 +531,9 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
         for (int d = 0; d < P; d++) qp[d * PF_QT + i] = bf_pair(qv + 2 * d);
     }
     memset(o, 0, sizeof(float) * PF_QT * D);
-    const int pos0 = kv - ql + i0, posl = pos0 + nq - 1;
-    const int lo = (j->window > 0 && pos0 - j->window + 1 > 0) ? pos0 - j->window + 1 : 0;
-    const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const uint32_t live = nq >= 32 ? 0xFFFFFFFFu : ((1u << nq) - 1u);
-    const int full_lo = j->window > 0 ? posl - j->window + 1 : 0;
     __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
@@ -525,15 +554,7 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
                     acc[u][1] = dpbf(acc[u][1], qb, kb2);
                 }
             }
-            const int un = n - kb < PF_KB ? n - kb : PF_KB;
-            for (int u = 0; u < un; u++) { /* the scores, and the split's max over the keys each query sees */
-                const uint32_t mk = pf_mask(a + kb + u, full_lo, pos0, live, nq, j->window);
-                for (int v = 0; v < 2; v++) {
-                    const __m512 sc = _mm512_mul_ps(acc[u][v], scale);
-                    _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16 * v, sc);
-                    mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v], sc);
-                }
-            }
+            store_scores(j, &tile, acc, n - kb < PF_KB ? n - kb : PF_KB, a, kb, s, mx);
         }
         __m512 mn[2], esum[2];
         split_rescale(m, l, mx, mn, esum, cs);
@@ -542,7 +563,7 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
         const int np = (n + 1) / 2;
         for (int t = 0; t < np; t++) {
             const int k0 = 2 * t, k1 = 2 * t + 1;
-            const uint32_t mk0 = pf_mask(a + k0, full_lo, pos0, live, nq, j->window), mk1 = k1 < n ? pf_mask(a + k1, full_lo, pos0, live, nq, j->window) : 0u;
+            const uint32_t mk0 = tile_key_mask(j, &tile, a + k0), mk1 = k1 < n ? tile_key_mask(j, &tile, a + k1) : 0u;
             for (int v = 0; v < 2; v++) {
                 const __m512 e0 = _mm512_maskz_mov_ps(
                     (__mmask16)(mk0 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v), mn[v])));

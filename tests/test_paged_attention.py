@@ -152,6 +152,9 @@ def run_case(case, use_kernel: bool, dtype: torch.dtype = torch.float32, tol: fl
     assert out.shape == (1, t, hq, dim)
     if batch.prefill_rows and dim % 16 == 0 and not softcap:  # the prefill path served its rows (head dims of 16k)
         assert not set(by_torch) & set(batch.prefill_rows)
+    if batch.prefill_rows and softcap and dtype == torch.float32:  # soft-capped: the short ones by the decode path
+        assert {i for i in batch.prefill_rows if rows[i].q_len > KERNEL_MAX_QUERIES} <= set(by_torch)
+        assert not {i for i in batch.prefill_rows if rows[i].q_len <= KERNEL_MAX_QUERIES} & set(by_torch)
     eff_scale = scale if scale is not None else 1.0 / math.sqrt(dim)
     for r, k, v in zip(rows, keys, values):
         q = query[0, :, r.q_start : r.q_start + r.q_len]

@@ -379,6 +379,14 @@ def _kernel_attention(
             # takes queries of the pool's dtype only (bf16 ones it reads as bf16 pairs)
             fallback += which
             continue
+        if prefill and cap:  # the fp32 prefill path takes no soft-cap: rows the decode path serves go there, the
+            # longer ones to the torch path, as they went before the prefill path
+            fallback += [i for i in which if b.rows[i].q_len > KERNEL_MAX_QUERIES]
+            which = [i for i in which if b.rows[i].q_len <= KERNEL_MAX_QUERIES]
+            if not which:
+                continue
+            arrays, prefill = KernelRows.of(b, which), False
+            assert arrays is not None
         if qf is None:
             qf = q if q.dtype == torch.float32 else q.float()
             if qf.stride(2) != 1:

@@ -173,7 +173,8 @@ def test_torch_path_equals_contiguous_reference(case):
 @given(case=cases(long_rows=True))
 def test_kernel_equals_contiguous_reference(case):
     """float32: the decode path, and the prefill path for rows of ``PREFILL_MIN_QUERIES_F32`` new tokens or more in
-    steps of several rows (a soft-cap, or a head dim not a multiple of 16, sends those to the torch path)."""
+    steps of several rows (a head dim not a multiple of 16 sends those to the torch path; with a soft-cap, those of
+    at most ``KERNEL_MAX_QUERIES`` take the decode path, longer ones the torch path)."""
     if kernel.load() is None:
         pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
     run_case(case, use_kernel=True)

@@ -118,6 +118,7 @@ class StepBatch:
     window_slots: torch.Tensor | None = None
     window_blocks: list[list[int]] = field(default_factory=list)
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _capped: tuple[list[int], list[int], KernelRows | None] | None = None  # see capped_prefill
 
     @classmethod
     def make(cls, pool: KVPool, rows: list[Row], *, use_kernel: bool = True) -> StepBatch:
@@ -182,6 +183,16 @@ class StepBatch:
                     raise RuntimeError(f"paged step: block {r.blocks[p // bs]} (token {p}) has no window slot")
                 slots.append(s * bs + p % bs)
         self.window_slots = torch.tensor(slots, dtype=torch.long, device=pool.device)
+
+    def capped_prefill(self) -> tuple[list[int], list[int], KernelRows | None]:
+        """The prefill rows split for a soft-capped model, whose scores the prefill path does not cap: those the
+        decode path serves (at most ``KERNEL_MAX_QUERIES`` new tokens) with their arrays, and the longer ones (the
+        torch path), as they went before the prefill path. Made once per step, for every layer."""
+        if self._capped is None:
+            short = [i for i in self.prefill_rows if self.rows[i].q_len <= KERNEL_MAX_QUERIES]
+            long = [i for i in self.prefill_rows if self.rows[i].q_len > KERNEL_MAX_QUERIES]
+            self._capped = (short, long, KernelRows.of(self, short))
+        return self._capped
 
     def windowed(self, layer: int) -> bool:
         """Whether pool layer ``layer`` is a window layer (read and written through window slots)."""
@@ -379,14 +390,12 @@ def _kernel_attention(
             # takes queries of the pool's dtype only (bf16 ones it reads as bf16 pairs)
             fallback += which
             continue
-        if prefill and cap:  # the fp32 prefill path takes no soft-cap: rows the decode path serves go there, the
-            # longer ones to the torch path, as they went before the prefill path
-            fallback += [i for i in which if b.rows[i].q_len > KERNEL_MAX_QUERIES]
-            which = [i for i in which if b.rows[i].q_len <= KERNEL_MAX_QUERIES]
-            if not which:
+        if prefill and cap:  # the fp32 prefill path takes no soft-cap (capped_prefill)
+            which, long, capped = b.capped_prefill()
+            fallback += long
+            if capped is None:
                 continue
-            arrays, prefill = KernelRows.of(b, which), False
-            assert arrays is not None
+            arrays, prefill = capped, False
         if qf is None:
             qf = q if q.dtype == torch.float32 else q.float()
             if qf.stride(2) != 1:

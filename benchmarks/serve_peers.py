@@ -686,11 +686,28 @@ def log_prefix_matches(log: Path) -> dict | None:
     }
 
 
-def pc_batches(srv: Server) -> tuple[float, float] | None:
-    """prefixcache only: (batched generate calls, rows in them) so far, from its /metrics."""
+PC_COUNTERS = (
+    "prefixcache_batches_total",
+    "prefixcache_batch_rows_total",
+    "prefixcache_engine_steps_total",
+    "prefixcache_engine_step_tokens_total",
+    "prefixcache_engine_prefill_tokens_total",
+    "prefixcache_engine_decode_tokens_total",
+    "prefixcache_engine_busy_seconds_total",
+    "prefixcache_engine_schedule_seconds_total",
+    "prefixcache_engine_forward_seconds_total",
+    "prefixcache_engine_attention_seconds_total",
+    "prefixcache_engine_finish_seconds_total",
+    "prefixcache_engine_between_steps_seconds_total",
+    "prefixcache_engine_idle_seconds_total",
+)
+
+
+def pc_counters(srv: Server) -> dict[str, float] | None:
+    """prefixcache only: its /metrics counters of ``PC_COUNTERS`` so far (summed over labels)."""
     if not srv.key.startswith("pc"):
         return None
-    got = {"prefixcache_batches_total": 0.0, "prefixcache_batch_rows_total": 0.0}
+    got = dict.fromkeys(PC_COUNTERS, 0.0)
     try:
         for line in httpx.get(f"{srv.url}/metrics", timeout=30).text.splitlines():
             name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -698,7 +715,21 @@ def pc_batches(srv: Server) -> tuple[float, float] | None:
                 got[name] += float(line.rsplit(" ", 1)[1])
     except (httpx.HTTPError, ValueError):
         return None
-    return got["prefixcache_batches_total"], got["prefixcache_batch_rows_total"]
+    return got
+
+
+def engine_split(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float] | None:
+    """The engine's counters over a round: steps, tokens, and where the engine thread's time went, per request."""
+    d = {k.removeprefix("prefixcache_engine_").removesuffix("_total"): after[k] - before[k] for k in before}
+    if d.get("steps", 0) <= 0 or requests <= 0:
+        return None
+    out = {k: d[k] for k in ("steps", "step_tokens", "prefill_tokens", "decode_tokens")}
+    out["steps_per_request"] = d["steps"] / requests
+    out["tokens_per_step"] = d["step_tokens"] / d["steps"]
+    for k in ("busy", "schedule", "forward", "attention", "finish", "between_steps", "idle"):
+        out[f"{k}_ms_per_request"] = 1000 * d[f"{k}_seconds"] / requests
+    out["forward_ms_per_step"] = 1000 * d["forward_seconds"] / d["steps"]
+    return out
 
 
 def run_round(key: str, a: argparse.Namespace, r: int, phase: str, logdir: Path) -> dict:
@@ -754,12 +785,12 @@ def run_round(key: str, a: argparse.Namespace, r: int, phase: str, logdir: Path)
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(2.0)
-        cpu0, batches0 = srv.cpu(), pc_batches(srv)
+        cpu0, counters0 = srv.cpu(), pc_counters(srv)
         if phase == "closed":
             records, wall = closed_loop(srv, chats, a, a.clients)
         else:
             records, wall = open_loop(srv, chats, a, a.seed + r)
-        cpu1, batches1 = srv.cpu(), pc_batches(srv)
+        cpu1, counters1 = srv.cpu(), pc_counters(srv)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             try:
@@ -769,9 +800,19 @@ def run_round(key: str, a: argparse.Namespace, r: int, phase: str, logdir: Path)
                 spy.wait()
             out["profile"] = profile_summary(raw) if raw.exists() else None
         out |= figures(records, wall, cpu1 - cpu0)
-        if batches0 and batches1 and batches1[0] > batches0[0]:
-            out["batches"] = batches1[0] - batches0[0]
-            out["mean_batch_size"] = (batches1[1] - batches0[1]) / out["batches"]
+        if counters0 and counters1:
+            batches = counters1["prefixcache_batches_total"] - counters0["prefixcache_batches_total"]
+            if batches > 0:
+                out["batches"] = batches
+                rows = counters1["prefixcache_batch_rows_total"] - counters0["prefixcache_batch_rows_total"]
+                out["mean_batch_size"] = rows / batches
+            engine = engine_split(
+                {k: v for k, v in counters0.items() if "engine" in k},
+                {k: v for k, v in counters1.items() if "engine" in k},
+                len(records),
+            )
+            if engine is not None:
+                out["engine"] = engine
         out["records"] = [{k: v for k, v in x.items() if k != "t_end"} for x in records]
         return out
     finally:

@@ -12,11 +12,12 @@ from prefixcache.core.block_ids import ids_array, ids_list, make_ids
 
 
 def test_free_queue_is_oldest_freed_first():
-    a = BlockAllocator(5)
-    assert list(a.allocate(3)) == [0, 1, 2]
+    a = BlockAllocator(7)
+    assert list(a.allocate(5)) == [0, 1, 2, 3, 4]
     a.decref([2, 0])
-    assert a.free_ids() == [3, 4, 2, 0]
-    assert list(a.allocate(3)) == [3, 4, 2]
+    a.free(range(4, 2, -1))  # a node's tail, tail block first
+    assert a.free_ids() == [5, 6, 0, 2, 3, 4]  # each freed run ascending, the older run first
+    assert list(a.allocate(4)) == [5, 6, 0, 2]
     a.check_integrity()
 
 
@@ -49,7 +50,7 @@ def test_errors_change_nothing():
 # ---- runs: a brute-force free-list model -------------------------------------------------------------
 class FreeList:
     """The free order spelled out: a plain list of every free id, never-used ids first, then freed ids oldest
-    first."""
+    first (one release's ids ascending)."""
 
     def __init__(self, n: int) -> None:
         self.free = list(range(n))
@@ -59,7 +60,7 @@ class FreeList:
         return taken
 
     def release(self, ids: list[int]) -> None:
-        self.free.extend(ids)
+        self.free.extend(sorted(ids))
 
 
 @settings(max_examples=200, deadline=None)
@@ -128,3 +129,18 @@ def test_a_huge_pool_costs_nothing_until_used():
     a.free(run[::-1])
     assert a.allocate(2) == range(3, 5)  # never-used ids first, freed ones after them
     a.check_integrity(np.asarray([3, 4], np.int64), single_owner=True)
+
+
+def test_a_long_run_freed_tail_first_comes_back_ascending():
+    """A multi-piece run of ranges (a large allocation over freed runs) freed reversed, as a node's tail is,
+    joins the free queue ascending and stays ranges (no array of its ids)."""
+    a = BlockAllocator(10_000)
+    first, second = a.allocate(5_000), a.allocate(5_000)
+    a.free(first[:2_500][::-1])
+    a.free(second[:2_500][::-1])
+    run = a.allocate(5_000)  # the two freed runs, one after the other
+    assert ids_list(run) == list(range(2_500)) + list(range(5_000, 7_500))
+    a.free(run[::-1])
+    assert a.free_ids() == list(range(2_500)) + list(range(5_000, 7_500))
+    assert all(type(p) is range for p in a._queue)
+    a.check_integrity(np.concatenate([ids_array(first[2_500:]), ids_array(second[2_500:])]), single_owner=True)

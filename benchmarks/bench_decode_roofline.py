@@ -14,8 +14,8 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
   packed linears (timed around each call) against the weights' bytes, and the rest (the modeling code's other ops,
   sampling, bookkeeping);
-- the decode path alone over rows whose blocks lie in order or scattered in the pool, as a serving pool's end up
-  (``blocks_read``).
+- the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
+  pool's end up (``blocks_read``).
 
 No peer runs here: vLLM's step rate on the same shape comes from ``benchmarks/serve_peers.py`` (its README says
 how). Writes JSON (``benchmarks/results/decode_roofline.json``).
@@ -125,8 +125,9 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
 
 def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> list[dict[str, Any]]:
     """The decode path alone (one layer's attention of ``--rows`` rows of ``--context`` tokens, one query each) over
-    4 pools (layers) of ``--rows`` x ``--context`` tokens each, more than the L3 holds: the rows' blocks in order or
-    scattered (a random permutation, as a serving pool's end up). ms per layer (the best of 3 medians of 10 passes
+    4 pools (layers) of ``--rows`` x ``--context`` tokens each, more than the L3 holds: the rows' blocks in order,
+    consecutive but descending (what a full pool handed out before the allocator sorted freed ids), or scattered (a
+    random permutation, as a serving pool's end up). ms per layer (the best of 3 medians of 10 passes
     over the 4, the two orders in turn) and GB/s of K/V read."""
     lib = kernel.load()
     assert lib is not None, kernel.unavailable_reason()
@@ -149,8 +150,12 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
         side[1].normal_(generator=gen)
         sides.append(side)
     tables = {}
-    for order in ("in order", "scattered"):
-        ids = torch.arange(blocks) if order == "in order" else torch.randperm(blocks, generator=gen)
+    orders = {
+        "in order": torch.arange(blocks),
+        "descending": torch.arange(blocks).flip(0),  # consecutive, last first: a full pool's evictions, unsorted
+        "scattered": torch.randperm(blocks, generator=gen),
+    }
+    for order, ids in orders.items():
         tables[order] = ids[: args.rows * nb].to(torch.int32).view(args.rows, nb).contiguous()
     best: dict[str, float] = {}
     for _ in range(3):  # the orders in turn, 3 times: the host's bandwidth drifts

@@ -32,8 +32,10 @@ def ascending(ids: BlockIds) -> BlockIds:
     (benchmarks/bench_decode_roofline.py, ``blocks_read``)."""
     if isinstance(ids, range):
         return ids[::-1] if ids.step < 0 else ids
-    if isinstance(ids, Runs) and all(type(p) is range for p in ids.pieces):  # ranges of distinct ids: disjoint
-        return make_ids(sorted((ascending(p) for p in ids.pieces), key=lambda r: r.start))  # type: ignore[union-attr]
+    if isinstance(ids, Runs):
+        ranges = [p for p in ids.pieces if type(p) is range]
+        if len(ranges) == len(ids.pieces):  # ranges of distinct ids are disjoint: sorted by start, all ascending
+            return make_ids(sorted((r[::-1] if r.step < 0 else r for r in ranges), key=lambda r: r.start))
     arr: npt.NDArray[np.int64] = np.sort(ids_array(ids))
     return arr
 

@@ -33,7 +33,7 @@ def ascending(ids: BlockIds) -> BlockIds:
     if isinstance(ids, range):
         return ids[::-1] if ids.step < 0 else ids
     if isinstance(ids, Runs):
-        ranges = [p for p in ids.pieces if type(p) is range]
+        ranges = [p for p in ids.pieces if isinstance(p, range)]
         if len(ranges) == len(ids.pieces):  # ranges of distinct ids are disjoint: sorted by start, all ascending
             return make_ids(sorted((r[::-1] if r.step < 0 else r for r in ranges), key=lambda r: r.start))
     arr: npt.NDArray[np.int64] = np.sort(ids_array(ids))

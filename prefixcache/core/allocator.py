@@ -28,14 +28,16 @@ def ascending(ids: BlockIds) -> BlockIds:
     Why: a request's blocks are read in table order (the attention kernel walks a row's blocks one after the
     other), and the ids a request takes come from what was freed just before: in a full pool, a leaf's tail,
     which eviction frees tail block first. Handed out in that order, a run that was consecutive in memory comes
-    back reversed, and the kernel reads it at about half the bandwidth of consecutive blocks
+    back reversed, and the kernel reads a descending run markedly slower than an ascending one
     (benchmarks/bench_decode_roofline.py, ``blocks_read``)."""
     if isinstance(ids, range):
         return ids[::-1] if ids.step < 0 else ids
     if isinstance(ids, Runs):
         ranges = [p for p in ids.pieces if isinstance(p, range)]
         if len(ranges) == len(ids.pieces):  # ranges of distinct ids are disjoint: sorted by start, all ascending
-            return make_ids(sorted((r[::-1] if r.step < 0 else r for r in ranges), key=lambda r: r.start))
+            up = sorted((r[::-1] if r.step < 0 else r for r in ranges), key=lambda r: r.start)
+            pieces: list[Piece] = [*up]
+            return make_ids(pieces)
     arr: npt.NDArray[np.int64] = np.sort(ids_array(ids))
     return arr
 

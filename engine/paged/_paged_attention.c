@@ -700,7 +700,9 @@ static int run(const float *q, int64_t q_st, int64_t q_sh, const void *kpool, co
                table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
     const int items = rows * hkv;
     const int n = threads < items ? threads : items;
-#pragma omp parallel for schedule(static, 1) num_threads(n > 0 ? n : 1)
+    /* dynamic: rows of unequal lengths, and a thread the OS takes away (a serving process shares its cores with its
+       HTTP thread and, in benchmarks, the clients), no longer hold the whole call back; outputs are identical */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n > 0 ? n : 1)
     for (int it = 0; it < items; it++) item(&j, it / hkv, it % hkv, bf);
     return 0;
 }

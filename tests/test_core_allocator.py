@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.core.allocator import BlockAllocator
-from prefixcache.core.block_ids import ids_array, ids_list, make_ids
+from prefixcache.core.allocator import BlockAllocator, ascending
+from prefixcache.core.block_ids import Runs, ids_array, ids_list, make_ids, pieces_of
 
 
 def test_free_queue_is_oldest_freed_first():
@@ -144,3 +144,36 @@ def test_a_long_run_freed_tail_first_comes_back_ascending():
     assert a.free_ids() == list(range(2_500)) + list(range(5_000, 7_500))
     assert all(type(p) is range for p in a._queue)
     a.check_integrity(np.concatenate([ids_array(first[2_500:]), ids_array(second[2_500:])]), single_owner=True)
+
+
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.tuples(st.integers(0, 60), st.integers(1, 8), st.booleans()).map(
+                lambda t: ("range", t[0] * 10, t[1], t[2])
+            ),
+            st.lists(st.integers(0, 9), min_size=1, max_size=6, unique=True).map(lambda x: ("array", x)),
+        ),
+        max_size=8,
+    ),
+    big=st.booleans(),
+)
+def test_ascending_sorts_any_run(pieces, big):
+    """``ascending`` gives the ids of any run (ranges either way round, arrays, multi-piece runs, large ones of
+    ranges) sorted, and keeps a large run of ranges as ranges."""
+    made, used = [], set()
+    for i, p in enumerate(pieces):
+        if p[0] == "range":
+            _, start, n, down = p
+            start += 100_000 * i
+            r = range(start, start + n * (5_000 if big else 1))
+            made.append(r[::-1] if down else r)
+        else:
+            made.append(np.asarray([100_000 * i + 90_000 + x for x in p[1]], np.int64))
+        used.update(ids_list(made[-1]))
+    run = make_ids(made)
+    assert len(used) == len(run)  # distinct ids, as a run's are
+    up = ascending(run)
+    assert ids_list(up) == sorted(used)
+    if isinstance(run, Runs) and all(isinstance(p, range) for p in made):  # large: no array of its ids
+        assert all(isinstance(p, range) for p in pieces_of(up))

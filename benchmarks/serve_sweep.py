@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -141,6 +142,16 @@ def shape_targets(shape: Shape, dtype: str) -> dict[str, float]:
     return {"requests_per_s_ratio": ratio, "ttft_p99_ratio": 1.0, "cores_busy": TARGET_CORES}
 
 
+def engine_split(data: dict[str, Any], server: str) -> dict[str, float] | None:
+    """prefixcache's engine counters over the measured rounds (serve_peers' ``engine`` per round): each field's
+    median over the closed rounds; None where no round has them (another server, an older JSON)."""
+    picked = [r.get("engine") for r in data.get("rows", []) if r.get("server") == server and r.get("phase") == "closed"]
+    rounds = [e for e in picked if isinstance(e, dict)]
+    if not rounds:
+        return None
+    return {k: statistics.median(float(e[k]) for e in rounds) for k in rounds[0] if all(k in e for e in rounds)}
+
+
 def _over(a: Any, b: Any) -> float | None:
     return float(a) / float(b) if a is not None and b else None
 
@@ -149,6 +160,10 @@ def shape_row(shape: Shape, data: dict[str, Any], servers: list[str], dtype: str
     """A shape's row: each server's figures, the first over the second server, the targets."""
     closed = {s["server"]: s for s in data.get("summary", []) if s.get("phase") == "closed"}
     figs = {name: server_figures(closed[name]) for name in servers if name in closed}
+    for name, fig in figs.items():
+        split = engine_split(data, name)
+        if split is not None:
+            fig["engine"] = split
     row: dict[str, Any] = {
         "shape": shape.name,
         "kind": shape.kind,

@@ -80,6 +80,22 @@ def test_sweep_shapes_and_rows() -> None:
     assert got["targets_met"] == {"requests_per_s_ratio": True, "ttft_p50_ratio": True, "cached_tokens_ratio": True}
     fewer_hits = {"summary": [won["summary"][0] | {"mean_cached_tokens": 800.0}, won["summary"][1]]}
     assert not serve_sweep.shape_row(agent, fewer_hits, ["pc", "vllm2"])["targets_met"]["cached_tokens_ratio"]
+    # prefixcache's engine split: its rounds' counters (serve_peers.engine_split), their median per field
+    before = dict.fromkeys(serve_peers.PC_COUNTERS, 0.0)
+    after = before | {
+        "prefixcache_engine_steps_total": 10.0,
+        "prefixcache_engine_step_tokens_total": 300.0,
+        "prefixcache_engine_busy_seconds_total": 2.0,
+        "prefixcache_engine_attention_seconds_total": 0.5,
+    }
+    split = serve_peers.engine_split(before, after, requests=4)
+    assert split is not None and split["steps_per_request"] == 2.5 and split["tokens_per_step"] == 30.0
+    assert split["busy_ms_per_request"] == 500.0 and split["attention_ms_per_request"] == 125.0
+    assert serve_peers.engine_split(before, before, requests=4) is None  # no step ran
+    rounds = [{"phase": "closed", "server": "pc", "engine": {"steps": v}} for v in (3.0, 9.0, 4.0)]
+    with_split = won | {"rows": [*rounds, {"phase": "closed", "server": "vllm2"}]}
+    got = serve_sweep.shape_row(agent, with_split, ["pc", "vllm2"])
+    assert got["servers"]["pc"]["engine"] == {"steps": 4.0} and "engine" not in got["servers"]["vllm2"]
 
 
 def test_serve_peers_workload_is_seeded_and_shaped() -> None:

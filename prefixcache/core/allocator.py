@@ -47,10 +47,10 @@ class BlockAllocator:
 
     Free order: ids never handed out come first, in increasing order (every id ``>= hw``, the high-water
     mark, is free and untouched), then the free queue: freed runs in the order they were freed (oldest
-    first, a deque of runs; each run's ids ascending), so a freed block is reused as late as possible. Memory is proportional to the
-    ids handed out and not yet reused, never to ``num_blocks``: a pool of 2**40 blocks costs nothing until
-    used (fresh ids are handed out as ranges). ``allocate`` and ``free`` cost O(runs touched) steps on ranges
-    and array views, no per-block Python work.
+    first, a deque of runs; each run's ids ascending, see ``ascending``), so a freed block is reused as late as
+    possible. Memory is proportional to the ids handed out and not yet reused, never to ``num_blocks``: a pool of
+    2**40 blocks costs nothing until used (fresh ids are handed out as ranges). ``allocate`` and ``free`` cost
+    O(runs touched) steps on ranges and array views (an array freed is sorted by numpy), no per-block Python work.
 
     Reference counts: a handed-out block has one owner, plus those added by ``incref`` (kept in a dict, only
     for such blocks). ``free`` is the one-owner fast path the cache uses; it trusts its caller (the partition

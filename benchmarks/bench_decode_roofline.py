@@ -126,9 +126,9 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
 def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> list[dict[str, Any]]:
     """The decode path alone (one layer's attention of ``--rows`` rows of ``--context`` tokens, one query each) over
     4 pools (layers) of ``--rows`` x ``--context`` tokens each, more than the L3 holds: the rows' blocks in order,
-    consecutive but descending (what a full pool handed out before the allocator sorted freed ids), or scattered (a
-    random permutation, as a serving pool's end up). ms per layer (the best of 3 medians of 10 passes
-    over the 4, the two orders in turn) and GB/s of K/V read."""
+    consecutive but descending (what a full pool handed out when eviction freed a tail last block first), or
+    scattered (a random permutation, as a serving pool's end up). ms per layer (the best of 3 medians of 10 passes
+    over the 4, the orders in turn) and GB/s of K/V read."""
     lib = kernel.load()
     assert lib is not None, kernel.unavailable_reason()
     torch_dtype, bs, layers = getattr(torch, dtype), 16, 4
@@ -152,7 +152,7 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     tables = {}
     orders = {
         "in order": torch.arange(blocks),
-        "descending": torch.arange(blocks).flip(0),  # consecutive, last first: a full pool's evictions, unsorted
+        "descending": torch.arange(blocks).flip(0),  # consecutive, last first: a tail evicted last block first
         "scattered": torch.randperm(blocks, generator=gen),
     }
     for order, ids in orders.items():

@@ -32,7 +32,7 @@ def test_lru_block_size_1_evicts_tail_of_least_recent_leaf(serve):
     # [1,2,7] refreshes (1)(1,2); committing [1,2,7,8] needs 2 blocks: B is now the LRU leaf (tail first).
     m, r = serve(cache, [1, 2, 7], full=[1, 2, 7, 8])
     assert m.block_ids == (0, 1) and m.cached_tokens == 2
-    # B goes tail block first, (4, 3); freed ids join the free queue ascending, so they are reused as (3, 4)
+    # B's blocks are freed in its order, so they are reused as (3, 4), not last block first
     assert r.first_block == 2 and r.block_ids == (3, 4) and r.cached_blocks == 4 and r.not_cached == 0
     assert cache.probe([4, 5, 0]) == 0 and cache.probe([6, 0]) == 1 and cache.probe([1, 2, 7, 8, 0]) == 4
     assert cache.stats.blocks_evicted == 3
@@ -51,7 +51,7 @@ def test_lru_block_size_2_split_keeps_unmatched_tail_old(serve):
     assert cache.probe([1, 1, 2, 2, 3, 3, 4]) == 4 and cache.probe([5, 5, 6, 6, 0]) == 4
     # Next the least recent leaf is B (its tail first), not A's refreshed head.
     _, r = serve(cache, [9, 9, 9, 9, 9])
-    assert r.block_ids == (3, 4)  # freed tail first, reused ascending
+    assert r.block_ids == (3, 4)  # freed in B's order, reused so
     assert cache.probe([5, 5, 6, 6, 0]) == 0 and cache.probe([1, 1, 2, 2, 0]) == 4 and cache.probe([7, 7, 8, 8, 0]) == 4
 
 

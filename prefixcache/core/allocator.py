@@ -12,7 +12,6 @@ from prefixcache.core.block_ids import (
     EMPTY_IDS,
     BlockIds,
     Piece,
-    Runs,
     compact_piece,
     ids_array,
     ids_list,
@@ -21,36 +20,15 @@ from prefixcache.core.block_ids import (
 )
 
 
-def ascending(ids: BlockIds) -> BlockIds:
-    """``ids`` in ascending order: a descending range reversed, a run of ranges put in order of their starts,
-    anything else sorted into an array.
-
-    Why: a request's blocks are read in table order (the attention kernel walks a row's blocks one after the
-    other), and the ids a request takes come from what was freed just before: in a full pool, a leaf's tail,
-    which eviction frees tail block first. Handed out in that order, a run that was consecutive in memory comes
-    back reversed, and the kernel reads a descending run markedly slower than an ascending one
-    (benchmarks/bench_decode_roofline.py, ``blocks_read``)."""
-    if isinstance(ids, range):
-        return ids[::-1] if ids.step < 0 else ids
-    if isinstance(ids, Runs):
-        ranges = [p for p in ids.pieces if isinstance(p, range)]
-        if len(ranges) == len(ids.pieces):  # ranges of distinct ids are disjoint: sorted by start, all ascending
-            up = sorted((r[::-1] if r.step < 0 else r for r in ranges), key=lambda r: r.start)
-            pieces: list[Piece] = [*up]
-            return make_ids(pieces)
-    arr: npt.NDArray[np.int64] = np.sort(ids_array(ids))
-    return arr
-
-
 class BlockAllocator:
     """Hands out block ids ``0..num_blocks-1`` in runs (``BlockIds``), without materialising the pool.
 
     Free order: ids never handed out come first, in increasing order (every id ``>= hw``, the high-water
     mark, is free and untouched), then the free queue: freed runs in the order they were freed (oldest
-    first, a deque of runs; each run's ids ascending, see ``ascending``), so a freed block is reused as late as
-    possible. Memory is proportional to the ids handed out and not yet reused, never to ``num_blocks``: a pool of
-    2**40 blocks costs nothing until used (fresh ids are handed out as ranges). ``allocate`` and ``free`` cost
-    O(runs touched) steps on ranges and array views (an array freed is sorted by numpy), no per-block Python work.
+    first, a deque of runs), so a freed block is reused as late as possible. Memory is proportional to the
+    ids handed out and not yet reused, never to ``num_blocks``: a pool of 2**40 blocks costs nothing until
+    used (fresh ids are handed out as ranges). ``allocate`` and ``free`` cost O(runs touched) steps on ranges
+    and array views, no per-block Python work.
 
     Reference counts: a handed-out block has one owner, plus those added by ``incref`` (kept in a dict, only
     for such blocks). ``free`` is the one-owner fast path the cache uses; it trusts its caller (the partition
@@ -99,12 +77,12 @@ class BlockAllocator:
 
     def free(self, ids: BlockIds) -> None:
         """Drop the only owner of each block of the run ``ids`` (distinct ids, each handed out and owned once);
-        they join the free queue in ascending order (``ascending``; a range continuing the last queued one is
-        merged into it). The caller hands ``ids`` over and must not write to it."""
+        they join the free queue in the order given (a range continuing the last queued one is merged into it).
+        The caller hands ``ids`` over and must not write to it."""
         if not len(ids):
             return
         queue = self._queue
-        for p in pieces_of(ascending(ids)):
+        for p in pieces_of(ids):
             last = queue[-1] if queue else None
             if type(p) is range and type(last) is range and last.stop == p.start and last.step == p.step:
                 queue[-1] = range(last.start, p.stop, p.step)  # a run continuing the last one: keep it whole
@@ -131,7 +109,7 @@ class BlockAllocator:
 
     def decref(self, ids: Iterable[int]) -> None:
         """Drop an owner from each block (an id listed k times drops k); blocks reaching 0 owners join the
-        free queue (ascending). Raises ValueError, changing nothing, if a block would go below
+        free queue in the order first listed. Raises ValueError, changing nothing, if a block would go below
         0 owners."""
         drop: dict[int, int] = {}
         for b in self._owned(ids, "decref"):

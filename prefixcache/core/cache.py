@@ -827,8 +827,8 @@ class PrefixCache:
             node = node.parent
 
     def _evict(self, n: int, events: list[CacheEvent] | None) -> int:
-        """Free up to ``n`` blocks: victim leaves in policy order, each losing its needed tail (tail block
-        first) in one step; a leaf that empties is unhooked (its parent may become a victim, an empty root
+        """Free up to ``n`` blocks: victim leaves in policy order, each losing its needed tail (freed in the
+        leaf's order) in one step; a leaf that empties is unhooked (its parent may become a victim, an empty root
         is dropped). Returns the number freed."""
         freed = 0
         policy, tree = self.policy, self.tree

@@ -71,8 +71,8 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     spent = {"linears": 0.0}
     packed = linear._packed_forward
 
-    def timed(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:  # the packed linears, timed
-        forward = packed(weight, bias)
+    def timed(weight: torch.Tensor, bias: torch.Tensor | None, small: Any = None) -> Any:  # the packed linears, timed
+        forward = packed(weight, bias, small)
 
         def run(x: torch.Tensor) -> torch.Tensor:
             t0 = time.perf_counter()

@@ -42,7 +42,7 @@ from engine.media.encoder_cache import DEFAULT_MAX_ENCODER_CACHE_BYTES, EncoderC
 from engine.media.families import Family, family_for
 from engine.media.inputs import MediaCall
 from engine.names import cache_namespace
-from engine.paged import linear
+from engine.paged import fused, linear
 from engine.paged.runner import PROBE_TOLERANCE, paged_unsupported_reason, probe_difference
 from engine.tier import KVTier, TierBinding, open_tier
 from engine.tier.open import binding_for, open_state_tier, state_binding
@@ -59,17 +59,18 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_CACHED_TOKENS = 32_768
 HISTORY_FACTOR = 4  # the miss-cause history remembers this many pools' worth of committed tokens
-FAST_LINEAR_MAX_BYTES = 4 << 30  # prepacked oneDNN linears by default when their copy of the weights fits this
+FAST_LINEAR_MAX_BYTES = 4 << 30  # prepacked linears by default when their copies of the weights fit this
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     """How a model's cache is built. Sizes are ints > 0 (numpy integers too): the pool holds ``max_cached_tokens``
     (default 32,768) or ``max_cached_bytes`` (one of them) in blocks of ``block_size`` tokens. ``engine``: the
-    continuous-batching engine's step budget; ``fast_linear``: prepacked oneDNN linears in its forwards (None: on
-    the CPU when they fit ``FAST_LINEAR_MAX_BYTES``). The tier: ``disk_cache`` (a directory, budget
-    ``max_disk_bytes``) or ``shared_cache`` (a Redis URL). ``check_memory`` refuses a pool above 90% of the
-    device's available memory. ``miss_history_tokens``: committed tokens the miss-cause history remembers (None:
+    continuous-batching engine's step budget; ``fast_linear``: prepacked linears in its forwards (oneDNN's, and a
+    small-row kernel's for decode steps; None: on the CPU when they fit ``FAST_LINEAR_MAX_BYTES``); ``fused_ops``:
+    Llama-style RMSNorm and rotary embedding in one C pass each there (``engine.paged.fused``: on the CPU, for the
+    module sources it knows). The tier: ``disk_cache`` (a directory, budget ``max_disk_bytes``) or ``shared_cache``
+    (a Redis URL). ``check_memory`` refuses a pool above 90% of the device's available memory. ``miss_history_tokens``: committed tokens the miss-cause history remembers (None:
     4 pools' worth; "unlimited"). ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens.
     Hybrid models (recurrent layers beside attention, docs/hybrid.md): ``max_cached_states`` recurrent-state
     snapshots are kept (None: 64) beside a live state per running engine request; ``snapshot_interval``: also keep
@@ -87,6 +88,7 @@ class RuntimeConfig:
     verify_tokens: bool = True
     engine: SchedulerConfig | None = None  # None: SchedulerConfig's defaults
     fast_linear: bool | None = None
+    fused_ops: bool = True
     disk_cache: str | os.PathLike[str] | None = None
     max_disk_bytes: int | str | None = None
     shared_cache: str | None = None
@@ -521,6 +523,7 @@ class ModelRuntime:
                         config=self.scheduler_config,
                         eos_token_ids=eos_ids(self.model.generation_config),
                         linears=self._packed(),
+                        fused=self._fused_ops(),
                         tier=self.tier,
                         hybrid=self.hybrid,
                     )
@@ -567,8 +570,17 @@ class ModelRuntime:
         if self._linears is None:
             if fast is None and linear.weight_bytes(self.model) > FAST_LINEAR_MAX_BYTES:
                 return None
-            self._linears = linear.PackedLinears(self.model)
+            small = linear.weight_bytes(self.model) <= FAST_LINEAR_MAX_BYTES // 2  # its copy fits too
+            self._linears = linear.PackedLinears(self.model, small_rows=small)
         return self._linears
+
+    def _fused_ops(self) -> Any:
+        """The engine's fused element-wise ops (``engine.paged.fused``), or None: off, not on the CPU, or nothing
+        of the model's is known to them."""
+        if not self.config.fused_ops or torch.device(self.model.device).type != "cpu":
+            return None
+        ops = fused.FusedOps(self.model)
+        return ops if any(ops.counts().values()) else None
 
     # ---- figures -----------------------------------------------------------------------------------------------
     def cache_stats(self) -> dict[str, Any]:

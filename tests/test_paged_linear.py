@@ -72,3 +72,57 @@ def test_row_counts_are_bucketed_and_padding_changes_nothing():
             with packed.active():
                 got = net(x)
         assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_row_kernel_against_float64_and_onednn(dtype):
+    """Steps of 2-16 rows go to the small-row kernel: its outputs are as close to a float64 reference as oneDNN's
+    (the same sums in another order), bias included; a lone row keeps oneDNN's bits, in bf16 nn.Linear's."""
+    from engine.paged import kernel
+
+    lib = kernel.load_small_linear()
+    if lib is None or not (int(lib.small_linear_available()) & (2 if dtype == torch.bfloat16 else 1)):
+        pytest.skip(f"no small-row kernel for {dtype} here: {kernel.unavailable_reason('small_linear')}")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(96, 48).to(dtype).eval()
+    packed = linear.PackedLinears(net)
+    assert packed.small_rows == 1
+    onednn = linear.PackedLinears(net, small_rows=False)
+    assert onednn.small_rows == 0
+    eps = torch.finfo(dtype).eps
+    for n in (1, 2, 7, 16, 17):
+        x = torch.randn(n, 96).to(dtype)
+        ref = x.double() @ net.weight.double().t() + net.bias.double()
+        with torch.inference_mode():
+            with packed.active():
+                got = net(x)
+            with onednn.active():
+                base = net(x)
+            plain = net(x)
+        assert got.shape == (n, 48) and got.dtype == dtype
+        if n in (1, 17):  # outside 2..16: oneDNN itself
+            assert torch.equal(got, base)
+        err, base_err = (got.double() - ref).abs(), (base.double() - ref).abs()
+        scale = ref.abs() + 1
+        assert (err <= base_err + 2 * eps * scale).all(), n  # no worse than oneDNN's, but for a rounding
+        if n == 1 and dtype == torch.bfloat16:  # (float32: oneDNN's packed sums differ from nn.Linear's anyway)
+            assert torch.equal(got, plain)
+
+
+def test_small_row_kernel_leaves_shapes_it_does_not_take_to_onednn():
+    from engine.paged import kernel
+
+    if kernel.load_small_linear() is None:
+        pytest.skip(kernel.unavailable_reason("small_linear"))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 32)).eval()  # 40 outputs: not 16k
+    packed = linear.PackedLinears(net)
+    assert packed.small_rows == 1  # the second only
+    x = torch.randn(5, 24)
+    with torch.inference_mode():
+        want = net(x)
+        with packed.active():
+            got = net(x)
+            strided = net(torch.randn(24, 5).t())  # rows not contiguous: the kernel takes any row stride
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert strided.shape == (5, 32)

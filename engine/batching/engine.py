@@ -20,6 +20,7 @@ runtime's lock). A fault fails only the requests it concerns (see ``step``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -81,6 +82,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         use_kernel: bool = True,
         linears: Any = None,
+        fused: Any = None,
         tier: KVTier | None = None,
         hybrid: HybridStates | None = None,
     ) -> None:
@@ -93,6 +95,7 @@ class Engine:
         self.eos = frozenset(eos_token_ids)
         self.runner = PagedRunner(model, pool, use_kernel=use_kernel, states=None if hybrid is None else hybrid.pool)
         self.linears = linears  # PackedLinears or None
+        self.fused = fused  # FusedOps or None
         self.tier = tier  # the second tier below the pool, or None
         self.hybrid = hybrid  # a hybrid model's recurrent states (engine.hybrid), or None
         self.scheduler = Scheduler(cache, self.config, self._preempt, self._admitted, hybrid)
@@ -213,10 +216,10 @@ class Engine:
         device = self.pool.device
         idx = torch.tensor(at, dtype=torch.long)
         tokens = torch.tensor(ids, dtype=torch.long, device=device)
-        if self.linears is not None:
-            with self.linears.active():
-                logits = self.runner.forward(batch, tokens, idx, segments)
-        else:
+        with contextlib.ExitStack() as fast:
+            for ops in (self.linears, self.fused):
+                if ops is not None:
+                    fast.enter_context(ops.active())
             logits = self.runner.forward(batch, tokens, idx, segments)
         return logits.float(), spans, batch.attention_s
 

@@ -1,10 +1,13 @@
-"""The C attention kernel (``_paged_attention.c``: its decode path, and its prefill paths where the compiler targets
-AVX-512, bf16 with AVX512-BF16): built with the system C compiler on first use, loaded with ctypes.
+"""The engine's C libraries, built with the system C compiler on first use and loaded with ctypes: the attention
+kernel (``_paged_attention.c``: its decode path, and its prefill paths where the compiler targets AVX-512, bf16
+with AVX512-BF16; ``load()``), the fused element-wise ops (``_fused_ops.c``, ``load_fused()``; used by
+``engine.paged.fused``) and the linears of a few rows (``_small_linear.c``, ``load_small_linear()``; used by
+``engine.paged.linear``).
 
-The shared object goes to ``$PREFIXCACHE_KERNEL_DIR`` (default ``~/.cache/prefixcache/kernels``), named by a hash
-of the source, the flags and this CPU, and is rebuilt only when one of those changes. ``load()`` returns None,
-and ``unavailable_reason()`` says why, when there is no compiler or the build fails: the engine then runs its
-torch path (same results, slower). ``PREFIXCACHE_KERNEL=off`` turns the kernel off.
+Each shared object goes to ``$PREFIXCACHE_KERNEL_DIR`` (default ``~/.cache/prefixcache/kernels``), named by a hash
+of its source, its flags and this CPU, and is rebuilt only when one of those changes. A loader returns None, and
+``unavailable_reason()`` says why, when there is no compiler or the build fails: the engine then runs its torch
+path (same results, slower). ``PREFIXCACHE_KERNEL=off`` turns both off.
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("_paged_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-fopenmp")
+FUSED_SOURCE = Path(__file__).with_name("_fused_ops.c")
+FUSED_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")  # no fma: torch's roundings
+SMALL_LINEAR_SOURCE = Path(__file__).with_name("_small_linear.c")
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, tuple[ctypes.CDLL | None, str | None]] = {}  # name: (library, why not)
 
 
 def kernel_dir() -> Path:
@@ -45,15 +52,15 @@ def _cpu_tag() -> str:
     return platform.machine() + "|" + "|".join(lines)
 
 
-def _build(target: Path) -> str | None:
-    """Compile the kernel into ``target``; returns None, or why it could not."""
+def _build(source: Path, flags: tuple[str, ...], target: Path) -> str | None:
+    """Compile ``source`` into ``target``; returns None, or why it could not."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return "no C compiler (cc, gcc or clang) on PATH"
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [cc, *flags, str(source), "-o", str(out), "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -65,33 +72,50 @@ def _build(target: Path) -> str | None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel library (built on first use), or None when it cannot be had (see ``unavailable_reason``).
-    Import torch first: the library's OpenMP runtime is then torch's own (same soname, already loaded)."""
+    """The attention kernel's library (built on first use), or None when it cannot be had (see
+    ``unavailable_reason``). Import torch first: the library's OpenMP runtime is then torch's own (same soname,
+    already loaded)."""
+    return _load("paged_attention", SOURCE, FLAGS, _declare)
+
+
+def load_fused() -> ctypes.CDLL | None:
+    """The fused element-wise ops' library (``_fused_ops.c``), or None (``unavailable_reason("fused_ops")``)."""
+    return _load("fused_ops", FUSED_SOURCE, FUSED_FLAGS, _declare_fused)
+
+
+def load_small_linear() -> ctypes.CDLL | None:
+    """The few-row linears' library (``_small_linear.c``), or None (``unavailable_reason("small_linear")``)."""
+    return _load("small_linear", SMALL_LINEAR_SOURCE, FLAGS, _declare_small_linear)
+
+
+def unavailable_reason(name: str = "paged_attention") -> str | None:
+    """Why library ``name``'s loader gave None (None when it is loaded or was not asked for yet)."""
+    return _state.get(name, (None, None))[1]
+
+
+def _load(
+    name: str, source: Path, flags: tuple[str, ...], declare: Callable[[ctypes.CDLL], None]
+) -> ctypes.CDLL | None:
     with _lock:
-        if "lib" in _state:
-            return _state["lib"]  # type: ignore[return-value]
+        if name in _state:
+            return _state[name][0]
         lib: ctypes.CDLL | None = None
         reason: str | None = None
         if os.environ.get("PREFIXCACHE_KERNEL", "").lower() in ("0", "off", "no", "false"):
             reason = "PREFIXCACHE_KERNEL=off"
         else:
-            key = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode() + _cpu_tag().encode()).hexdigest()[:16]
-            target = kernel_dir() / f"paged_attention_{key}.so"
+            key = hashlib.sha256(source.read_bytes() + repr(flags).encode() + _cpu_tag().encode()).hexdigest()[:16]
+            target = kernel_dir() / f"{name}_{key}.so"
             try:
                 if not target.exists():
-                    reason = _build(target)
+                    reason = _build(source, flags, target)
                 if reason is None:
                     lib = ctypes.CDLL(str(target))
-                    _declare(lib)
+                    declare(lib)
             except OSError as exc:
                 reason, lib = f"cannot build or load {target}: {exc}", None
-        _state["lib"], _state["reason"] = lib, reason
+        _state[name] = (lib, reason)
         return lib
-
-
-def unavailable_reason() -> str | None:
-    """Why ``load()`` gave None (None when the kernel is loaded or was not asked for yet)."""
-    return _state.get("reason")  # type: ignore[return-value]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -116,3 +140,32 @@ def prefill_available(lib: ctypes.CDLL, dtype: torch.dtype) -> bool:
     targets AVX-512, bfloat16 where it targets AVX512-BF16 too."""
     built = int(lib.paged_prefill_available())
     return bool(built & 1) if dtype == torch.float32 else bool(built & 2) if dtype == torch.bfloat16 else False
+
+
+def _declare_fused(lib: ctypes.CDLL) -> None:
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.fused_rms_norm.restype = ctypes.c_int
+    lib.fused_rms_norm.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i32,
+        f32,
+        i32,
+        i32,
+    ]  # x, ldx, w, out, ldo, rows, n, eps
+    lib.fused_rotary.restype = ctypes.c_int
+    # x, its strides, cos, sin, their strides, out, its strides, batch, heads, tokens, dim, bf, threads
+    lib.fused_rotary.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32]
+
+
+def _declare_small_linear(lib: ctypes.CDLL) -> None:
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    for fn in (lib.small_linear_f32, lib.small_linear_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr, ptr, i64, i32]  # x, ldx, rows, packed w, N, K, bias, y, ldy
+    lib.small_linear_available.restype = ctypes.c_int
+    lib.small_linear_available.argtypes = []

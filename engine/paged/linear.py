@@ -7,20 +7,28 @@ packed copy of every ``nn.Linear`` weight (memory: one more copy of those weight
 layers' forward through it for the duration of a block, leaving the model as it was on exit. The results agree
 with ``nn.Linear`` to float32 rounding (about 1e-6 relative). Weights changed after packing make the copies
 stale: call ``repack()`` (the engine does when the wrapper notices a weight change).
+
+Steps of 2 to 16 rows (decode steps) take a second copy, packed for ``_small_linear.c``: oneDNN left a decode
+step's linears at 36-40 GB/s on this machine (2 cores, bf16, 8 rows); the small-row kernel reads each weight
+once at 48-53 GB/s (``benchmarks/bench_decode_roofline.py`` times a step's linears both ways). A lone row keeps
+oneDNN, whose bits are ``nn.Linear``'s. ``small_rows=False`` (or no AVX-512) keeps oneDNN for all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from engine.paged import kernel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 PACK_HINT = 16  # the batch size oneDNN picks the packed layout for (any batch size works with it)
+SMALL_ROWS = (2, 16)  # row counts the small-row kernel computes (fewer or more: oneDNN)
 
 
 def available(model: PreTrainedModel) -> str | None:
@@ -49,15 +57,24 @@ def weight_bytes(model: torch.nn.Module) -> int:
 class PackedLinears:
     """Packed copies of the weights of every ``nn.Linear`` of ``model`` (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, small_rows: bool = True) -> None:
         self.model = model
         self._linears = linears(model)
         self._packed: list[torch.Tensor] = []
+        self._small: list[SmallPacked | None] = []
+        self._small_lib = kernel.load_small_linear() if small_rows else None
         self.repack()
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._packed)
+        """Bytes of the packed copies (oneDNN's and the small-row kernel's)."""
+        small = sum(s.weight.numel() * s.weight.element_size() for s in self._small if s is not None)
+        return small + sum(p.numel() * p.element_size() for p in self._packed)
+
+    @property
+    def small_rows(self) -> int:
+        """How many linears the small-row kernel computes (for steps of ``SMALL_ROWS`` rows)."""
+        return sum(s is not None for s in self._small)
 
     def repack(self) -> None:
         """Pack every linear's current weight again."""
@@ -65,13 +82,14 @@ class PackedLinears:
             self._packed = [
                 torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_HINT) for m in self._linears
             ]
+            self._small = [small_packed(self._small_lib, m) for m in self._linears]
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """Inside, the linears compute through their packed weights."""
         try:
-            for m, w in zip(self._linears, self._packed):
-                m.forward = _packed_forward(w, m.bias)  # type: ignore[method-assign,assignment]  # instance attr over the method
+            for m, w, small in zip(self._linears, self._packed, self._small):
+                m.forward = _packed_forward(w, m.bias, small)  # type: ignore[method-assign,assignment]  # instance attr
             yield
         finally:
             for m in self._linears:
@@ -91,13 +109,56 @@ EXACT_ROWS = 16  # decode steps: one row per running request, computed as they a
 ROW_STEP = 16
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+class SmallPacked:
+    """One linear's weight packed for ``_small_linear.c`` (16 outputs' weights per 64-byte line), its bias as
+    float32, and the kernel for its dtype."""
+
+    def __init__(self, fn: Any, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) -> None:
+        self.fn, self.weight, self.bias, self.n, self.k = fn, weight, bias, n, k
+        self.dtype = torch.bfloat16 if weight.dtype == torch.int32 else torch.float32
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``rows`` @ W^T + bias, or None when the kernel does not take them (the caller uses oneDNN)."""
+        if rows.dtype != self.dtype or rows.stride(-1) != 1 or rows.device.type != "cpu":
+            return None
+        m = rows.shape[0]
+        y = torch.empty((m, self.n), dtype=self.dtype)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        rc = self.fn(rows.data_ptr(), rows.stride(0), m, self.weight.data_ptr(), self.n, self.k, bias,
+                     y.data_ptr(), self.n, torch.get_num_threads())  # fmt: skip
+        return y if rc == 0 else None
+
+
+def small_packed(lib: Any, m: torch.nn.Linear) -> SmallPacked | None:
+    """``m``'s weight packed for the small-row kernel of ``lib``, or None where the kernel does not take it (no
+    library, another dtype, outputs not a multiple of 16, an odd bf16 input width)."""
+    w = m.weight.detach()
+    n, k = w.shape
+    if lib is None or n % 16 or w.device.type != "cpu":
+        return None
+    built = int(lib.small_linear_available())
+    bias = None if m.bias is None else m.bias.detach().float().contiguous()
+    if w.dtype == torch.float32 and built & 1:  # [N/16][K][16]
+        return SmallPacked(lib.small_linear_f32, w.view(n // 16, 16, k).transpose(1, 2).contiguous(), bias, n, k)
+    if w.dtype == torch.bfloat16 and built & 2 and k % 2 == 0:  # [N/16][K/2][16][2] bf16, as int32 pairs
+        packed = w.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return SmallPacked(lib.small_linear_bf16, packed.view(torch.int32), bias, n, k)
+    return None
+
+
+def _packed_forward(
+    weight: torch.Tensor, bias: torch.Tensor | None, small: SmallPacked | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     linear = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         n = rows.shape[0]
+        if small is not None and SMALL_ROWS[0] <= n <= SMALL_ROWS[1]:
+            out = small(rows)
+            if out is not None:
+                return out.view(*shape[:-1], out.shape[-1])
         m = rows_bucket(n)
         if m != n:  # zero rows up to the bucket, dropped after
             rows = torch.cat([rows, rows.new_zeros(m - n, rows.shape[1])])

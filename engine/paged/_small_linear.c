@@ -1,0 +1,112 @@
+/* Linear layers for a few rows (a decode step's one token per running request): y = x W^T (+ bias) for 1 to 16 rows
+ * of x, reading each weight once, for float32 and bfloat16 weights.
+ *
+ * Weights are packed ahead of time (engine/paged/linear.py) so that one 64-byte line holds 16 outputs' weights at
+ * one k: float32 [N/16][K][16], bfloat16 [N/16][K/2][16][2] (pairs of k). A work item is one block of 16 outputs: it
+ * streams its block's K lines once, each line multiplied into every row's 16 accumulators (an fma per row, or a
+ * vdpbf16ps per row: each bf16 product exact in float32, sums in float32), so the weights are read once whatever
+ * the row count, and the rows' accumulators stay in registers. Each stream is prefetched PREFETCH lines ahead: the
+ * hardware prefetcher alone left a decode step's linears at about 36 GB/s here, oneDNN's too.
+ * Sums run over k in order, one float32 accumulator per output (per pair of k for bf16), bias added last, then one
+ * rounding to the output dtype (nearest even): oneDNN's own order for these shapes, so the results are mostly its
+ * bits (tests/test_linear.py counts the rest).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define MAX_ROWS 16
+#define PREFETCH 128 /* lines (8 KiB) ahead in each weight stream */
+
+static inline __attribute__((always_inline)) void block_f32(const float *x, int64_t ldx, const int M, const float *wp,
+                                                            int K, const float *bias, int nb, float *y, int64_t ldy) {
+    __m512 acc[MAX_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    const float *w = wp + (int64_t)nb * K * 16;
+    for (int k = 0; k < K; k++) {
+        __builtin_prefetch(w + (int64_t)(k + PREFETCH) * 16, 0, 0);
+        const __m512 wv = _mm512_loadu_ps(w + (int64_t)k * 16);
+        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), wv, acc[m]);
+    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * ldy + nb * 16, _mm512_add_ps(acc[m], b));
+}
+
+#if defined(__AVX512BF16__)
+#define BF16_BUILT 1
+static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, int64_t ldx, const int M,
+                                                             const uint32_t *wp, int K, const float *bias, int nb,
+                                                             uint16_t *y, int64_t ldy) {
+    __m512 acc[MAX_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    const uint32_t *w = wp + (int64_t)nb * (K / 2) * 16;
+    for (int kk = 0; kk < K / 2; kk++) {
+        __builtin_prefetch(w + (int64_t)(kk + PREFETCH) * 16, 0, 0);
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + (int64_t)kk * 16));
+        for (int m = 0; m < M; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * ldx + 2 * kk, 4);
+            const __m512i xb = _mm512_set1_epi32(pair);
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)xb, (__m512bh)wv);
+        }
+    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
+        _mm256_storeu_si256((__m256i *)(y + m * ldy + nb * 16), (__m256i)h);
+    }
+}
+#else
+#define BF16_BUILT 0
+static inline void block_bf16(const uint16_t *x, int64_t ldx, const int M, const uint32_t *wp, int K,
+                              const float *bias, int nb, uint16_t *y, int64_t ldy) {}
+#endif
+
+#define ROWS_CASES(CALL)                                                                                              \
+    switch (M) {                                                                                                      \
+    case 1: CALL(1) case 2: CALL(2) case 3: CALL(3) case 4: CALL(4) case 5: CALL(5) case 6: CALL(6) case 7: CALL(7) \
+    case 8: CALL(8) case 9: CALL(9) case 10: CALL(10) case 11: CALL(11) case 12: CALL(12) case 13: CALL(13)         \
+    case 14: CALL(14) case 15: CALL(15) case 16: CALL(16) default: return -1;                                        \
+    }
+
+#define F32_BLOCKS(MM)                                                                                                \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (int nb = 0; nb < N / 16; nb++)           \
+        block_f32(x, ldx, MM, wp, K, bias, nb, y, ldy);                                                               \
+    break;
+#define BF16_BLOCKS(MM)                                                                                               \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (int nb = 0; nb < N / 16; nb++)           \
+        block_bf16(x, ldx, MM, wp, K, bias, nb, y, ldy);                                                              \
+    break;
+
+/* y[m][n] (row stride ldy) = sum over k of x[m][k] (row stride ldx) * W[n][k], plus bias[n] (float32; NULL: none),
+ * for M rows, 1 <= M <= 16, N a multiple of 16. Returns 0, or -1 for shapes it does not take. */
+int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,
+                     int64_t ldy, int threads) {
+    if (N % 16 || K < 1) return -1;
+    ROWS_CASES(F32_BLOCKS)
+    return 0;
+}
+
+/* The same for bfloat16 x, packed W and y; K even. */
+int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp, int N, int K, const float *bias,
+                      uint16_t *y, int64_t ldy, int threads) {
+    if (!BF16_BUILT || N % 16 || K % 2 || K < 2) return -1;
+    ROWS_CASES(BF16_BLOCKS)
+    return 0;
+}
+
+int small_linear_available(void) { return 1 | (BF16_BUILT ? 2 : 0); }
+
+#else /* no AVX-512: the caller keeps oneDNN */
+int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,
+                     int64_t ldy, int threads) {
+    return -1;
+}
+int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint16_t *wp, int N, int K, const float *bias,
+                      uint16_t *y, int64_t ldy, int threads) {
+    return -1;
+}
+int small_linear_available(void) { return 0; }
+#endif

@@ -13,7 +13,8 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth; and the step's parts:
   attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
   packed linears (timed around each call) against the weights' bytes, and the rest (the modeling code's other ops,
-  sampling, bookkeeping);
+  sampling, bookkeeping); every other step runs its linears on oneDNN alone (no small-row kernel,
+  ``engine.paged.linear``), for the step and linear times both ways;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
   pool's end up (``blocks_read``).
 
@@ -57,7 +58,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     engine = pcm.runtime.engine()
     assert engine is not None, pcm.engine_unsupported_reason
     gen = torch.Generator().manual_seed(0)
-    new = args.steps + 4
+    new = 2 * args.steps + 4
     params = dataclasses.replace(  # every row decodes all its steps
         sampling_params(model.generation_config, {"max_new_tokens": new, "do_sample": False}, 0), ignore_eos=True
     )
@@ -89,6 +90,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 engine.step()
             engine.step()  # one decode step of all rows as a warm-up
             times, kv_tokens, attn, lin = [], [], [], []
+            onednn: dict[str, list[float]] = {"step": [], "linears": []}
             for _ in range(args.steps):
                 before, att0, lin0 = engine.stats.forward_s, engine.stats.attention_s, spent["linears"]
                 kv_tokens.append(sum(r.computed for r in reqs))
@@ -96,6 +98,12 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 times.append(engine.stats.forward_s - before)
                 attn.append(engine.stats.attention_s - att0)
                 lin.append(spent["linears"] - lin0)
+                if engine.linears is not None:  # the next step with oneDNN for every row count, interleaved
+                    with engine.linears.onednn_only():
+                        before, lin0 = engine.stats.forward_s, spent["linears"]
+                        engine.step()
+                    onednn["step"].append(engine.stats.forward_s - before)
+                    onednn["linears"].append(spent["linears"] - lin0)
     finally:
         linear._packed_forward = packed
     per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
@@ -120,6 +128,13 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         "bytes_per_step": parts["total"],
         "gbs": statistics.median(gbs),
         "tokens_per_s": args.rows / statistics.median(times),
+        # the small-row kernel's share: the same steps' linears with oneDNN alone (interleaved)
+        "small_row_linears": engine.linears.small_rows if engine.linears is not None else 0,
+        "onednn_step_ms": 1e3 * statistics.median(onednn["step"]) if onednn["step"] else None,
+        "onednn_linears_ms": 1e3 * statistics.median(onednn["linears"]) if onednn["linears"] else None,
+        "onednn_linears_gbs": parts["weights"] / statistics.median(onednn["linears"]) / 1e9
+        if onednn["linears"]
+        else None,
     }
 
 
@@ -235,8 +250,9 @@ def main() -> None:
     print(f"memory bandwidth after: read {after['read']:.1f} GB/s, copy {after['copy']:.1f} GB/s")
     for r in rows:
         r["fraction_of_read_bandwidth"] = r["gbs"] / bandwidth["read"]
-        for part in ("attention", "linears"):
-            r[f"{part}_fraction"] = r[f"{part}_gbs"] / bandwidth["read"]
+        for part in ("attention", "linears", "onednn_linears"):
+            if r[f"{part}_gbs"] is not None:
+                r[f"{part}_fraction"] = r[f"{part}_gbs"] / bandwidth["read"]
         print(
             f"{r['dtype']}: {r['step_ms']:.1f} ms per decode step of {args.rows} rows x {args.context} tokens, "
             f"{r['bytes_per_step'] / 1e6:.0f} MB read ({r['weights_bytes'] / 1e6:.0f} weights + "
@@ -245,6 +261,11 @@ def main() -> None:
             f"{r['attention_ms']:.1f} ms ({r['attention_fraction']:.0%} of it on the K/V), linears {r['linears_ms']:.1f} "
             f"ms ({r['linears_fraction']:.0%} on the weights), the rest {r['rest_ms']:.1f} ms"
         )
+        if r["onednn_step_ms"] is not None:
+            print(
+                f"  with oneDNN alone for the linears: step {r['onednn_step_ms']:.1f} ms, linears "
+                f"{r['onednn_linears_ms']:.1f} ms ({r['onednn_linears_fraction']:.0%} on the weights)"
+            )
     payload = {
         "model": args.model,
         "bandwidth": bandwidth,

@@ -126,3 +126,20 @@ def test_small_row_kernel_leaves_shapes_it_does_not_take_to_onednn():
             strided = net(torch.randn(24, 5).t())  # rows not contiguous: the kernel takes any row stride
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert strided.shape == (5, 32)
+
+
+def test_onednn_only_turns_the_small_row_kernel_off_for_a_block():
+    from engine.paged import kernel
+
+    if kernel.load_small_linear() is None:
+        pytest.skip(kernel.unavailable_reason("small_linear"))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(32, 32).eval()
+    packed, onednn = linear.PackedLinears(net), linear.PackedLinears(net, small_rows=False)
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        with onednn.active():
+            want = net(x)
+        with packed.onednn_only(), packed.active():
+            got = net(x)
+    assert torch.equal(got, want) and packed.small_rows == 1  # restored after the block

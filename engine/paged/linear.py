@@ -76,6 +76,15 @@ class PackedLinears:
         """How many linears the small-row kernel computes (for steps of ``SMALL_ROWS`` rows)."""
         return sum(s is not None for s in self._small)
 
+    @contextmanager
+    def onednn_only(self) -> Iterator[None]:
+        """Inside, forwards entered (``active()``) compute every row count on oneDNN: for timing both ways."""
+        small, self._small = self._small, [None] * len(self._small)
+        try:
+            yield
+        finally:
+            self._small = small
+
     def repack(self) -> None:
         """Pack every linear's current weight again."""
         with torch.inference_mode(False), torch.no_grad():

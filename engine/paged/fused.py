@@ -111,16 +111,18 @@ class FusedOps:
         if lib is None:
             yield
             return
+        entered: list[ModuleType] = []
         try:
             for m in self.norms:
                 m.forward = _norm_forward(lib, m)  # instance attr over the method
             for mod in self.rotary:
                 _rotary_patch.enter(mod, lib)
+                entered.append(mod)
             yield
         finally:
             for m in self.norms:
                 m.__dict__.pop("forward", None)
-            for mod in self.rotary:
+            for mod in entered:  # only those this block holds
                 _rotary_patch.exit(mod)
 
 

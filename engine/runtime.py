@@ -70,8 +70,9 @@ class RuntimeConfig:
     small-row kernel's for decode steps; None: on the CPU when they fit ``FAST_LINEAR_MAX_BYTES``); ``fused_ops``:
     Llama-style RMSNorm and rotary embedding in one C pass each there (``engine.paged.fused``: on the CPU, for the
     module sources it knows). The tier: ``disk_cache`` (a directory, budget ``max_disk_bytes``) or ``shared_cache``
-    (a Redis URL). ``check_memory`` refuses a pool above 90% of the device's available memory. ``miss_history_tokens``: committed tokens the miss-cause history remembers (None:
-    4 pools' worth; "unlimited"). ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens.
+    (a Redis URL). ``check_memory`` refuses a pool above 90% of the device's available memory.
+    ``miss_history_tokens``: committed tokens the miss-cause history remembers (None: 4 pools' worth; "unlimited").
+    ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens.
     Hybrid models (recurrent layers beside attention, docs/hybrid.md): ``max_cached_states`` recurrent-state
     snapshots are kept (None: 64) beside a live state per running engine request; ``snapshot_interval``: also keep
     one every so many blocks of a prompt (0: only where the policy says). Images (docs/multimodal.md): the vision

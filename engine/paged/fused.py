@@ -79,6 +79,7 @@ class FusedOps:
         self.lib = kernel.load_fused()
         self.norms: list[torch.nn.Module] = []
         self.rotary: list[ModuleType] = []  # modeling modules whose apply_rotary_pos_emb is fused
+        self._forwards: list[Callable[[torch.Tensor], torch.Tensor]] = []
         if self.lib is None:
             return
         modules: dict[str, ModuleType] = {}
@@ -99,6 +100,7 @@ class FusedOps:
         for mod in modules.values():
             if source_hash(_unwrap(getattr(mod, ROTARY_NAME))) in KNOWN["rotary"]:
                 self.rotary.append(mod)
+        self._forwards = [_norm_forward(self.lib, m) for m in self.norms]  # made once, put in place per block
 
     def counts(self) -> dict[str, int]:
         """How many of each op are fused."""
@@ -113,8 +115,8 @@ class FusedOps:
             return
         entered: list[ModuleType] = []
         try:
-            for m in self.norms:
-                m.forward = _norm_forward(lib, m)  # instance attr over the method
+            for m, forward in zip(self.norms, self._forwards):
+                m.forward = forward  # instance attr over the method
             for mod in self.rotary:
                 _rotary_patch.enter(mod, lib)
                 entered.append(mod)

@@ -16,7 +16,7 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   sampling, bookkeeping); every other step runs its linears on oneDNN alone (no small-row kernel,
   ``engine.paged.linear``), for the step and linear times both ways;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
-  pool's end up (``blocks_read``).
+  pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD`` (``blocks_read``).
 
 No peer runs here: vLLM's step rate on the same shape comes from ``benchmarks/serve_peers.py`` (its README says
 how). Writes JSON (``benchmarks/results/decode_roofline.json``).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -143,13 +144,16 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     4 pools (layers) of ``--rows`` x ``--context`` tokens each, more than the L3 holds: the rows' blocks in order,
     consecutive but descending (what a full pool handed out when eviction freed a tail last block first), or
     scattered (a random permutation, as a serving pool's end up). ms per layer (the best of 3 medians of 10 passes
-    over the 4, the orders in turn) and GB/s of K/V read."""
+    over the 4, the orders in turn) and GB/s of K/V read; ``ms_ahead1``/``gbs_ahead1``: the same kernel asking for
+    each row's keys one block ahead instead of ``KV_AHEAD`` blocks, timed in turn with it."""
     lib = kernel.load()
     assert lib is not None, kernel.unavailable_reason()
+    # the same kernel asking for keys one block ahead instead of KV_AHEAD (4), timed in turn with it
+    near = kernel.load_variant("KV_AHEAD=1")
+    libs = {"": lib} if near is None else {"": lib, "_ahead1": near}
     torch_dtype, bs, layers = getattr(torch, dtype), 16, 4
     nb = -(-args.context // bs)
     blocks = args.rows * nb + 16
-    fn = lib.paged_attention_bf16 if torch_dtype == torch.bfloat16 else lib.paged_attention_f32
     gen = torch.Generator().manual_seed(0)
     q = torch.randn((args.rows, heads, dim), generator=gen).to(torch_dtype).float()
     out = torch.empty((args.rows, heads, dim))
@@ -172,9 +176,10 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     }
     for order, ids in orders.items():
         tables[order] = ids[: args.rows * nb].to(torch.int32).view(args.rows, nb).contiguous()
-    best: dict[str, float] = {}
-    for _ in range(3):  # the orders in turn, 3 times: the host's bandwidth drifts
-        for order, table in tables.items():
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(3):  # the orders (and the two prefetch distances) in turn, 3 times: the host's bandwidth drifts
+        for (order, table), (which, built) in itertools.product(tables.items(), libs.items()):
+            fn = built.paged_attention_bf16 if torch_dtype == torch.bfloat16 else built.paged_attention_f32
             times = []
             for _ in range(10):
                 t0 = time.perf_counter()
@@ -206,14 +211,19 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
                     assert rc == 0
                 times.append((time.perf_counter() - t0) / layers)
             ms = 1e3 * statistics.median(times)
-            best[order] = min(ms, best.get(order, ms))
+            best[order, which] = min(ms, best.get((order, which), ms))
     kv_bytes = 2 * args.rows * args.context * heads * dim * torch.empty((), dtype=torch_dtype).element_size()
     found = []
-    for order, ms in best.items():
-        found.append({"dtype": dtype, "blocks": order, "ms": ms, "gbs": kv_bytes / ms / 1e6})
+    for order in tables:
+        row: dict[str, Any] = {"dtype": dtype, "blocks": order}
+        for which in libs:
+            row[f"ms{which}"] = best[order, which]
+            row[f"gbs{which}"] = kv_bytes / best[order, which] / 1e6
+        found.append(row)
+        near_ms = f", {row['ms_ahead1']:.2f} ms with keys asked for 1 block ahead" if "ms_ahead1" in row else ""
         print(
-            f"  {dtype} decode path, blocks {order}: {ms:.2f} ms per layer ({found[-1]['gbs']:.1f} GB/s of K/V; "
-            "the best of 3 medians)"
+            f"  {dtype} decode path, blocks {order}: {row['ms']:.2f} ms per layer ({row['gbs']:.1f} GB/s of K/V; "
+            f"the best of 3 medians){near_ms}"
         )
     return found
 

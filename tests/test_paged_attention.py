@@ -205,6 +205,41 @@ def test_kernel_is_available_with_a_compiler():
     assert kernel.load() is not None, kernel.unavailable_reason()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefetch_distance_changes_no_output(dtype):
+    """The decode path asks for keys ``KV_AHEAD`` blocks ahead; built to ask one block ahead (``load_variant``, as
+    ``bench_decode_roofline.py`` times it) it computes the same bits: rows of scattered blocks, one query each, a
+    sliding window whose first key lies inside a block, and a row shorter than the prefetch distance."""
+    lib, near = kernel.load(), kernel.load_variant("KV_AHEAD=1")
+    if lib is None or near is None:
+        pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, bs, lengths = 4, 64, 16, [1100, 40, 700]
+    nb = -(-max(lengths) // bs)
+    pool = KVPool([LayerSpec((heads, dim), (heads, dim))], 3 * nb + 8, bs, dtype=dtype, device="cpu")
+    kp, vp = pool.layer(0)
+    kp.normal_(generator=gen)
+    vp.normal_(generator=gen)
+    tables = torch.randperm(kp.shape[1], generator=gen)[: 3 * nb].to(torch.int32).view(3, nb).contiguous()
+    q = torch.randn((3, heads, dim), generator=gen).to(dtype).float()
+    q_start, q_len = torch.arange(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+    kv_len = torch.tensor(lengths, dtype=torch.int32)
+    for window in (0, 333):
+        outs = []
+        for built in (lib, near):
+            out = torch.empty((3, heads, dim))
+            fn = built.paged_attention_bf16 if dtype == torch.bfloat16 else built.paged_attention_f32
+            rc = fn(
+                q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), vp.data_ptr(), kp.shape[1], bs, dim, heads,
+                heads, tables.data_ptr(), nb, q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), 3,
+                dim**-0.5, 0.0, window, 512, out.data_ptr(), 2,
+            )  # fmt: skip
+            assert rc == 0
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert outs[0].isfinite().all() and outs[0].abs().sum() > 0
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     bs=st.sampled_from([1, 4, 16]),

@@ -43,11 +43,14 @@ def test_repack_follows_changed_weights():
     model = _model("llama")
     ids = torch.arange(9).unsqueeze(0)
     packed = linear.PackedLinears(model)
+    with torch.inference_mode(), packed.active():  # the forwards are made and kept: repack must make them again
+        before = model(input_ids=ids).logits
     with torch.no_grad():
         for m in linear.linears(model):
             m.weight.mul_(0.5)
     with torch.inference_mode():
         ref = model(input_ids=ids).logits
+        assert not torch.allclose(ref, before)
         packed.repack()
         with packed.active():
             got = model(input_ids=ids).logits
@@ -128,7 +131,7 @@ def test_small_row_kernel_leaves_shapes_it_does_not_take_to_onednn():
     assert strided.shape == (5, 32)
 
 
-def test_onednn_only_turns_the_small_row_kernel_off_for_a_block():
+def test_onednn_only_turns_the_small_row_kernel_off_for_a_block(monkeypatch):
     from engine.paged import kernel
 
     if kernel.load_small_linear() is None:
@@ -137,9 +140,21 @@ def test_onednn_only_turns_the_small_row_kernel_off_for_a_block():
     net = torch.nn.Linear(32, 32).eval()
     packed, onednn = linear.PackedLinears(net), linear.PackedLinears(net, small_rows=False)
     x = torch.randn(4, 32)
+    calls = []
+    kernel_call = linear.SmallPacked.__call__
+    monkeypatch.setattr(linear.SmallPacked, "__call__", lambda self, rows: calls.append(1) or kernel_call(self, rows))
     with torch.inference_mode():
         with onednn.active():
             want = net(x)
-        with packed.onednn_only(), packed.active():
+        with packed.active():  # the small-row kernel's forwards, made and kept
+            small = net(x)
+        assert len(calls) == 1
+        with packed.onednn_only(), packed.active():  # the kept forwards are not used here
             got = net(x)
+        assert len(calls) == 1
+        with packed.active():
+            again = net(x)
+        assert len(calls) == 2
     assert torch.equal(got, want) and packed.small_rows == 1  # restored after the block
+    assert torch.equal(again, small)
+    assert (small - want).abs().max() < 1e-4  # the same linear either way, by another order of sums

@@ -379,6 +379,7 @@ def _kernel_attention(
     assert lib is not None
     bf16 = kpool.dtype == torch.bfloat16
     fallback: list[int] = []
+    done: list[int] = []  # rows whose results are in ``res``
     qf: torch.Tensor | None = None
     res = out
     for which, arrays, prefill in ((b.kernel_rows, b.kernel, False), (b.prefill_rows, b.prefill, True)):
@@ -438,8 +439,13 @@ def _kernel_attention(
             rc = (lib.paged_attention_bf16 if bf16 else lib.paged_attention_f32)(*args)
         if rc != 0:  # shapes beyond the kernel's limits: the torch path for these rows
             fallback += which
-        elif res is not out:  # float32 results of these rows into the output's dtype (nearest even)
-            for i in which:
+        else:
+            done += which
+    if res is not out:  # float32 results of these rows into the output's dtype (nearest even)
+        if len(done) == len(b.rows):  # every row (a step's usual case): one copy, not one per row
+            out.copy_(res)
+        else:
+            for i in done:
                 r = b.rows[i]
                 out[r.q_start : r.q_start + r.q_len] = res[r.q_start : r.q_start + r.q_len]
     for i in fallback:

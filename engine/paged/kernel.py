@@ -78,6 +78,13 @@ def load() -> ctypes.CDLL | None:
     return _load("paged_attention", SOURCE, FLAGS, _declare)
 
 
+def load_variant(*defines: str) -> ctypes.CDLL | None:
+    """The attention kernel built with extra ``-D`` macro definitions (``"KV_AHEAD=1"``): a tuning to compare
+    against in a benchmark, cached beside ``load()``'s library (None as ``load()`` gives None)."""
+    name = "paged_attention_" + "_".join(d.replace("=", "") for d in defines)
+    return _load(name, SOURCE, (*FLAGS, *(f"-D{d}" for d in defines)), _declare)
+
+
 def load_fused() -> ctypes.CDLL | None:
     """The fused element-wise ops' library (``_fused_ops.c``), or None (``unavailable_reason("fused_ops")``)."""
     return _load("fused_ops", FUSED_SOURCE, FUSED_FLAGS, _declare_fused)

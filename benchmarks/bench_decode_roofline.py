@@ -14,7 +14,9 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
   packed linears (timed around each call) against the weights' bytes, and the rest (the modeling code's other ops,
   sampling, bookkeeping); every other step runs its linears on oneDNN alone (no small-row kernel,
-  ``engine.paged.linear``), for the step and linear times both ways;
+  ``engine.paged.linear``), for the step and linear times both ways; and every linear of the model once over
+  24 to 160 rows (a decode step with a short prefill chunk beside it: ``step_linears``), as a step runs them (the
+  small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
   pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD`` (``blocks_read``).
 
@@ -25,6 +27,7 @@ how). Writes JSON (``benchmarks/results/decode_roofline.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -73,8 +76,8 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     spent = {"linears": 0.0}
     packed = linear._packed_forward
 
-    def timed(weight: torch.Tensor, bias: torch.Tensor | None, small: Any = None) -> Any:  # the packed linears, timed
-        forward = packed(weight, bias, small)
+    def timed(weight: torch.Tensor, bias: torch.Tensor | None, small: Any = None, use: Any = None) -> Any:  # timed
+        forward = packed(weight, bias, small, use)
 
         def run(x: torch.Tensor) -> torch.Tensor:
             t0 = time.perf_counter()
@@ -107,6 +110,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                     onednn["linears"].append(spent["linears"] - lin0)
     finally:
         linear._packed_forward = packed
+    step_lin = step_linears(engine.linears, model, torch_dtype) if engine.linears is not None else []
     per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
     moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]
     gbs = [b / t / 1e9 for b, t in zip(moved, times)]
@@ -136,7 +140,37 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         "onednn_linears_gbs": parts["weights"] / statistics.median(onednn["linears"]) / 1e9
         if onednn["linears"]
         else None,
+        "step_linears": step_lin,
     }
+
+
+def step_linears(packed: linear.PackedLinears, model: torch.nn.Module, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Every linear of ``model`` once, in order, over ``rows`` rows (a decode step with a prefill chunk beside it:
+    the weights streamed from memory, more than the L3 holds), through the packed linears as a step of several
+    sequences runs them (the small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn: the
+    medians of 9 passes each, ms."""
+    mods = linear.linears(model)
+    most = linear.SMALL_ROWS[dtype][1]
+    found = []
+    for rows in sorted({24, 48, most, most + 8, 160}):
+        xs = [torch.randn(rows, m.in_features).to(dtype) for m in mods]
+        times: dict[str, list[float]] = {"small": [], "onednn": []}
+        with torch.inference_mode():
+            for _ in range(9):
+                for way in times:
+                    with packed.onednn_only() if way == "onednn" else contextlib.nullcontext(), packed.active():
+                        t0 = time.perf_counter()
+                        for m, x in zip(mods, xs):
+                            m(x)
+                        times[way].append(time.perf_counter() - t0)
+        row = {"dtype": str(dtype).split(".")[-1], "rows": rows, "small_row_kernel": rows <= most}
+        row |= {f"{way}_ms": 1e3 * statistics.median(t) for way, t in times.items()}
+        found.append(row)
+        print(
+            f"  {row['dtype']} linears over {rows} rows: {row['small_ms']:.1f} ms as a step runs them "
+            f"({'the small-row kernel' if rows <= most else 'oneDNN'}), {row['onednn_ms']:.1f} ms with oneDNN alone"
+        )
+    return found
 
 
 def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> list[dict[str, Any]]:

@@ -78,9 +78,11 @@ def test_row_counts_are_bucketed_and_padding_changes_nothing():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_row_kernel_against_float64_and_onednn(dtype):
-    """Steps of 2-16 rows go to the small-row kernel: its outputs are as close to a float64 reference as oneDNN's
-    (the same sums in another order), bias included; a lone row keeps oneDNN's bits, in bf16 nn.Linear's."""
+def test_small_row_kernel_against_float64_and_onednn(dtype, monkeypatch):
+    """Row counts in ``SMALL_ROWS`` go to the small-row kernel (past 16, in groups of 16 over each block of
+    outputs): its outputs are as close to a float64 reference as oneDNN's (the same sums in another order), bias
+    included; other counts, and any count in a block entered with ``several_rows=False``, keep oneDNN's bits (one
+    row: in bf16 nn.Linear's)."""
     from engine.paged import kernel
 
     lib = kernel.load_small_linear()
@@ -93,17 +95,27 @@ def test_small_row_kernel_against_float64_and_onednn(dtype):
     onednn = linear.PackedLinears(net, small_rows=False)
     assert onednn.small_rows == 0
     eps = torch.finfo(dtype).eps
-    for n in (1, 2, 7, 16, 17):
+    least, most = linear.SMALL_ROWS[dtype]
+    calls = []
+    kernel_call = linear.SmallPacked.__call__
+    monkeypatch.setattr(linear.SmallPacked, "__call__", lambda self, rows: calls.append(1) or kernel_call(self, rows))
+    for n in sorted({1, 2, 7, 16, 17, 31, 33, most, most + 1}):
         x = torch.randn(n, 96).to(dtype)
         ref = x.double() @ net.weight.double().t() + net.bias.double()
         with torch.inference_mode():
+            before = len(calls)
             with packed.active():
                 got = net(x)
+            assert len(calls) - before == (least <= n <= most), n  # the kernel took exactly these counts
+            with packed.active(several_rows=False):
+                alone = net(x)
+            assert len(calls) - before == (least <= n <= most), n
             with onednn.active():
                 base = net(x)
             plain = net(x)
         assert got.shape == (n, 48) and got.dtype == dtype
-        if n in (1, 17):  # outside 2..16: oneDNN itself
+        assert torch.equal(alone, base)
+        if not least <= n <= most:  # oneDNN itself
             assert torch.equal(got, base)
         err, base_err = (got.double() - ref).abs(), (base.double() - ref).abs()
         scale = ref.abs() + 1

@@ -217,9 +217,10 @@ class Engine:
         idx = torch.tensor(at, dtype=torch.long)
         tokens = torch.tensor(ids, dtype=torch.long, device=device)
         with contextlib.ExitStack() as fast:
-            for ops in (self.linears, self.fused):
-                if ops is not None:
-                    fast.enter_context(ops.active())
+            if self.linears is not None:  # a lone sequence keeps oneDNN: nn.Linear's bits
+                fast.enter_context(self.linears.active(several_rows=len(rows) > 1))
+            if self.fused is not None:
+                fast.enter_context(self.fused.active())
             logits = self.runner.forward(batch, tokens, idx, segments)
         return logits.float(), spans, batch.attention_s
 

@@ -1,5 +1,6 @@
-/* Linear layers for a few rows (a decode step's one token per running request): y = x W^T (+ bias) for 1 to 16 rows
- * of x, reading each weight once, for float32 and bfloat16 weights.
+/* Linear layers for a few rows (a decode step's one token per running request, a short prefill chunk beside them):
+ * y = x W^T (+ bias) for 1 to MAX_M rows of x, reading each weight from memory once, for float32 and bfloat16
+ * weights.
  *
  * Weights are packed ahead of time (engine/paged/linear.py) so that one 64-byte line holds 16 outputs' weights at
  * one k: float32 [N/16][K][16], bfloat16 [N/16][K/2][16][2] (pairs of k). A work item is one block of 16 outputs: it
@@ -17,7 +18,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#define MAX_ROWS 16
+#define MAX_ROWS 16 /* rows whose accumulators one pass over a block keeps in registers */
+#define MAX_M 256   /* rows per call, in groups of MAX_ROWS */
 #define PREFETCH 128 /* lines (8 KiB) ahead in each weight stream */
 
 static inline __attribute__((always_inline)) void block_f32(const float *x, int64_t ldx, const int M, const float *wp,
@@ -65,35 +67,42 @@ static inline void block_bf16(const uint16_t *x, int64_t ldx, const int M, const
 #endif
 
 #define ROWS_CASES(CALL)                                                                                              \
-    switch (M) {                                                                                                      \
+    switch (mm) {                                                                                                     \
     case 1: CALL(1) case 2: CALL(2) case 3: CALL(3) case 4: CALL(4) case 5: CALL(5) case 6: CALL(6) case 7: CALL(7) \
     case 8: CALL(8) case 9: CALL(9) case 10: CALL(10) case 11: CALL(11) case 12: CALL(12) case 13: CALL(13)         \
-    case 14: CALL(14) case 15: CALL(15) case 16: CALL(16) default: return -1;                                        \
+    case 14: CALL(14) case 15: CALL(15) default: CALL(16)                                                             \
     }
 
-#define F32_BLOCKS(MM)                                                                                                \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (int nb = 0; nb < N / 16; nb++)           \
-        block_f32(x, ldx, MM, wp, K, bias, nb, y, ldy);                                                               \
-    break;
-#define BF16_BLOCKS(MM)                                                                                               \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)") for (int nb = 0; nb < N / 16; nb++)           \
-        block_bf16(x, ldx, MM, wp, K, bias, nb, y, ldy);                                                              \
-    break;
+/* One work item: output block nb for every group of up to MAX_ROWS rows, in turn. The first group streams the
+ * block's weights from memory; the others find them in cache (a block is K/2 (bf16) or K lines of 64 bytes: 24 KiB
+ * to 96 KiB at K = 768 to 3,072), so the weights are still read from memory once. */
+#define F32_CALL(MM) block_f32(x + (int64_t)g * ldx, ldx, MM, wp, K, bias, nb, y + (int64_t)g * ldy, ldy); break;
+#define BF16_CALL(MM) block_bf16(x + (int64_t)g * ldx, ldx, MM, wp, K, bias, nb, y + (int64_t)g * ldy, ldy); break;
 
 /* y[m][n] (row stride ldy) = sum over k of x[m][k] (row stride ldx) * W[n][k], plus bias[n] (float32; NULL: none),
- * for M rows, 1 <= M <= 16, N a multiple of 16. Returns 0, or -1 for shapes it does not take. */
+ * for M rows, 1 <= M <= MAX_M, N a multiple of 16. Returns 0, or -1 for shapes it does not take. */
 int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,
                      int64_t ldy, int threads) {
-    if (N % 16 || K < 1) return -1;
-    ROWS_CASES(F32_BLOCKS)
+    if (N % 16 || K < 1 || M < 1 || M > MAX_M) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int nb = 0; nb < N / 16; nb++)
+        for (int g = 0; g < M; g += MAX_ROWS) {
+            const int mm = M - g < MAX_ROWS ? M - g : MAX_ROWS;
+            ROWS_CASES(F32_CALL)
+        }
     return 0;
 }
 
 /* The same for bfloat16 x, packed W and y; K even. */
 int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp, int N, int K, const float *bias,
                       uint16_t *y, int64_t ldy, int threads) {
-    if (!BF16_BUILT || N % 16 || K % 2 || K < 2) return -1;
-    ROWS_CASES(BF16_BLOCKS)
+    if (!BF16_BUILT || N % 16 || K % 2 || K < 2 || M < 1 || M > MAX_M) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int nb = 0; nb < N / 16; nb++)
+        for (int g = 0; g < M; g += MAX_ROWS) {
+            const int mm = M - g < MAX_ROWS ? M - g : MAX_ROWS;
+            ROWS_CASES(BF16_CALL)
+        }
     return 0;
 }
 

@@ -8,10 +8,13 @@ layers' forward through it for the duration of a block, leaving the model as it 
 with ``nn.Linear`` to float32 rounding (about 1e-6 relative). Weights changed after packing make the copies
 stale: call ``repack()`` (the engine does when the wrapper notices a weight change).
 
-Steps of 2 to 16 rows (decode steps) take a second copy, packed for ``_small_linear.c``: oneDNN left a decode
-step's linears at 36-40 GB/s on this machine (2 cores, bf16, 8 rows); the small-row kernel reads each weight
-once at 48-53 GB/s (``benchmarks/bench_decode_roofline.py`` times a step's linears both ways). A lone row keeps
-oneDNN, whose bits are ``nn.Linear``'s. ``small_rows=False`` (or no AVX-512) keeps oneDNN for all.
+Steps of a few rows take a second copy, packed for ``_small_linear.c`` (``SMALL_ROWS``: 2 to 40 rows in float32,
+2 to 48 in bfloat16): oneDNN left a decode step's linears at 36-40 GB/s on this machine (2 cores, bf16, 8 rows);
+the small-row kernel reads each weight once at 48-53 GB/s, and up to those row counts (a decode step with a short
+prefill chunk beside it) it also beat oneDNN's packed matmul over weights streamed from memory
+(``benchmarks/bench_decode_roofline.py`` times a decode step's linears both ways, and the model's linears over
+24 to 160 rows). A step of one row (``active(several_rows=False)``) keeps oneDNN, whose bits are ``nn.Linear``'s.
+``small_rows=False`` (or no AVX-512) keeps oneDNN for all.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 PACK_HINT = 16  # the batch size oneDNN picks the packed layout for (any batch size works with it)
-SMALL_ROWS = (2, 16)  # row counts the small-row kernel computes (fewer or more: oneDNN)
+# row counts the small-row kernel computes, by dtype (fewer or more: oneDNN); past them oneDNN's matmul was as fast
+# or faster (bench_decode_roofline.py's step_linears)
+SMALL_ROWS = {torch.float32: (2, 40), torch.bfloat16: (2, 48)}
 
 
 def available(model: PreTrainedModel) -> str | None:
@@ -63,6 +68,8 @@ class PackedLinears:
         self._packed: list[torch.Tensor] = []
         self._small: list[SmallPacked | None] = []
         self._forwards: list[Callable[[torch.Tensor], torch.Tensor]] = []  # made on first use, then kept
+        self._use = _Use()  # what those forwards do in the current block
+        self._onednn_only = False
         self._small_lib = kernel.load_small_linear() if small_rows else None
         self.repack()
 
@@ -80,13 +87,11 @@ class PackedLinears:
     @contextmanager
     def onednn_only(self) -> Iterator[None]:
         """Inside, forwards entered (``active()``) compute every row count on oneDNN: for timing both ways."""
-        small, self._small = self._small, [None] * len(self._small)
-        self._forwards = []
+        self._onednn_only = True
         try:
             yield
         finally:
-            self._small = small
-            self._forwards = []
+            self._onednn_only = False
 
     def repack(self) -> None:
         """Pack every linear's current weight again."""
@@ -98,13 +103,16 @@ class PackedLinears:
         self._forwards = []
 
     @contextmanager
-    def active(self) -> Iterator[None]:
-        """Inside, the linears compute through their packed weights (their forwards are made on the first call after
-        a change, then reused: entering took 0.16 ms a step on `small`, 85 closures and nn.Module setattrs)."""
+    def active(self, *, several_rows: bool = True) -> Iterator[None]:
+        """Inside, the linears compute through their packed weights: oneDNN's, or the small-row kernel's for row
+        counts in ``SMALL_ROWS`` when ``several_rows`` (a step of several sequences; one alone keeps oneDNN, whose
+        bits are ``nn.Linear``'s). Their forwards are made on the first call after a change, then reused: entering
+        took 0.16 ms a step on ``small`` when each made 85 closures and nn.Module setattrs."""
         if not self._forwards:
             self._forwards = [
-                _packed_forward(w, m.bias, sm) for m, w, sm in zip(self._linears, self._packed, self._small)
+                _packed_forward(w, m.bias, sm, self._use) for m, w, sm in zip(self._linears, self._packed, self._small)
             ]
+        self._use.small = several_rows and not self._onednn_only
         try:
             for m, forward in zip(self._linears, self._forwards):
                 m.__dict__["forward"] = forward  # an instance attr over the method (not nn.Module's slower setattr)
@@ -125,6 +133,12 @@ def rows_bucket(n: int) -> int:
 
 EXACT_ROWS = 16  # decode steps: one row per running request, computed as they are
 ROW_STEP = 16
+
+
+class _Use:
+    """What the packed forwards do in the current ``active()`` block (read at each call)."""
+
+    small = True  # the small-row kernel for the row counts it takes
 
 
 class SmallPacked:
@@ -165,15 +179,17 @@ def small_packed(lib: Any, m: torch.nn.Linear) -> SmallPacked | None:
 
 
 def _packed_forward(
-    weight: torch.Tensor, bias: torch.Tensor | None, small: SmallPacked | None = None
+    weight: torch.Tensor, bias: torch.Tensor | None, small: SmallPacked | None = None, use: _Use | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     linear = torch.ops.mkldnn._linear_pointwise
+    least, most = SMALL_ROWS[small.dtype] if small is not None else (0, -1)
+    use = use if use is not None else _Use()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         n = rows.shape[0]
-        if small is not None and SMALL_ROWS[0] <= n <= SMALL_ROWS[1]:
+        if small is not None and least <= n <= most and use.small:
             out = small(rows)
             if out is not None:
                 return out.view(*shape[:-1], out.shape[-1])

@@ -10,7 +10,7 @@
  * hardware prefetcher alone left a decode step's linears at about 36 GB/s here, oneDNN's too.
  * Sums run over k in order, one float32 accumulator per output (per pair of k for bf16), bias added last, then one
  * rounding to the output dtype (nearest even): oneDNN's own order for these shapes, so the results are mostly its
- * bits (tests/test_linear.py counts the rest).
+ * bits (tests/test_paged_linear.py counts the rest).
  */
 #include <stdint.h>
 #include <string.h>

@@ -112,12 +112,13 @@ class PackedLinears:
             self._forwards = [
                 _packed_forward(w, m.bias, sm, self._use) for m, w, sm in zip(self._linears, self._packed, self._small)
             ]
-        self._use.small = several_rows and not self._onednn_only
+        before, self._use.small = self._use.small, several_rows and not self._onednn_only
         try:
             for m, forward in zip(self._linears, self._forwards):
                 m.__dict__["forward"] = forward  # an instance attr over the method (not nn.Module's slower setattr)
             yield
         finally:
+            self._use.small = before
             for m in self._linears:
                 m.__dict__.pop("forward", None)
 
@@ -138,7 +139,8 @@ ROW_STEP = 16
 class _Use:
     """What the packed forwards do in the current ``active()`` block (read at each call)."""
 
-    small = True  # the small-row kernel for the row counts it takes
+    def __init__(self) -> None:
+        self.small = True  # the small-row kernel for the row counts it takes
 
 
 class SmallPacked:

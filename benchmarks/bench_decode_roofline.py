@@ -76,7 +76,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     spent = {"linears": 0.0}
     packed = linear._packed_forward
 
-    def timed(weight: torch.Tensor, bias: torch.Tensor | None, small: Any = None, use: Any = None) -> Any:  # timed
+    def timed(weight: torch.Tensor, bias: torch.Tensor | None, small: Any, use: Any) -> Any:  # the linears, timed
         forward = packed(weight, bias, small, use)
 
         def run(x: torch.Tensor) -> torch.Tensor:

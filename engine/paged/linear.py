@@ -181,11 +181,10 @@ def small_packed(lib: Any, m: torch.nn.Linear) -> SmallPacked | None:
 
 
 def _packed_forward(
-    weight: torch.Tensor, bias: torch.Tensor | None, small: SmallPacked | None = None, use: _Use | None = None
+    weight: torch.Tensor, bias: torch.Tensor | None, small: SmallPacked | None, use: _Use
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     linear = torch.ops.mkldnn._linear_pointwise
     least, most = SMALL_ROWS[small.dtype] if small is not None else (0, -1)
-    use = use if use is not None else _Use()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

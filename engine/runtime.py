@@ -69,8 +69,8 @@ class RuntimeConfig:
     continuous-batching engine's step budget; ``fast_linear``: prepacked linears in its forwards (oneDNN's, and a
     small-row kernel's for steps of a few rows; None: on the CPU when they fit ``FAST_LINEAR_MAX_BYTES``);
     ``fused_ops``: Llama-style RMSNorm and rotary embedding in one C pass each there (``engine.paged.fused``: on the
-    CPU, for the module sources it knows). The tier: ``disk_cache`` (a directory, budget ``max_disk_bytes``) or ``shared_cache``
-    (a Redis URL). ``check_memory`` refuses a pool above 90% of the device's available memory.
+    CPU, for the module sources it knows). The tier: ``disk_cache`` (a directory, budget ``max_disk_bytes``) or
+    ``shared_cache`` (a Redis URL). ``check_memory`` refuses a pool above 90% of the device's available memory.
     ``miss_history_tokens``: committed tokens the miss-cause history remembers (None: 4 pools' worth; "unlimited").
     ``verify_tokens`` off trusts 128-bit block hashes without checking the tokens.
     Hybrid models (recurrent layers beside attention, docs/hybrid.md): ``max_cached_states`` recurrent-state

@@ -14,6 +14,11 @@ three ways (the ``small`` preset's shape by default: 12 heads of 64; each kernel
 of 15 calls, in two child processes: glibc's default malloc, and the one ``prefixcache serve`` sets (freed memory
 kept: the gather's buffers stop faulting their pages in each call). ``kernel_ms`` is the path a step of several
 rows takes; its outputs are compared with SDPA's.
+
+One layer's K/V of these contexts stays in this CPU's caches between calls. ``builds`` times the prefill path where
+it is not: one row per layer over a pool of ``--pool-layers`` layers (the longest context; blocks in order, and
+scattered), this build against the kernel built without the prefill path's half tiles and prefetch
+(``PF_HALF=0 PF_PREFETCH=0``), in turn, median of 9; the two builds' outputs must be the same bits.
 Writes JSON (``benchmarks/results/agent_attention.json``; ``agent_attention_bf16.json`` for bfloat16).
 """
 
@@ -127,6 +132,63 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def builds(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per (queries, block order): the prefill path's ms per layer over a pool out of cache, this build and the plain
+    one (no half tiles, no prefetch), timed in turn."""
+    import ctypes
+
+    import torch
+
+    from engine.kv_pool import KVPool, LayerSpec
+    from engine.paged import attention as att
+    from engine.paged import kernel
+
+    dtype = getattr(torch, args.dtype)
+    libs = {"this": kernel.load(), "plain": kernel.load_variant("PF_HALF=0", "PF_PREFETCH=0")}
+    if any(lib is None or not kernel.prefill_available(lib, dtype) for lib in libs.values()):
+        return []
+    least = att.PREFILL_MIN_QUERIES if dtype == torch.bfloat16 else att.PREFILL_MIN_QUERIES_F32
+    h, d, bs, kv, layers = args.heads, args.head_dim, 16, max(args.contexts), args.pool_layers
+    gen = torch.Generator().manual_seed(0)
+    nb = -(-kv // bs)
+    pool = KVPool([LayerSpec((h, d), (h, d))] * layers, nb + 16, bs, dtype=dtype, device="cpu")
+    sides = [pool.layer(i) for i in range(layers)]
+    for pair in sides:
+        assert pair is not None
+        for side in pair:
+            side.normal_(generator=gen)
+    orders = {"in order": torch.arange(nb), "scattered": torch.randperm(nb + 16, generator=gen)[:nb]}
+    per = int(libs["this"].paged_prefill_scratch(d, att.KERNEL_SPLIT)) * 2
+    scratch = ctypes.create_string_buffer(per)
+    out_rows = []
+    for n in [q for q in args.queries if least <= q <= kv]:
+        q = torch.randn((n, h, d), generator=gen).to(dtype).float()
+        q_start, q_len, kv_len = (torch.tensor([v], dtype=torch.int32) for v in (0, n, kv))
+        for order, ids in orders.items():
+            table = ids.to(torch.int32).view(1, nb).contiguous()
+            times: dict[str, list[float]] = {k: [] for k in libs}
+            outs = {k: torch.empty((n, h, d)) for k in libs}
+            for _ in range(9):
+                for k, lib in libs.items():
+                    fn = lib.paged_prefill_bf16 if dtype == torch.bfloat16 else lib.paged_prefill_f32
+                    t0 = time.perf_counter()
+                    for kp, vp in sides:  # type: ignore[misc]
+                        rc = fn(
+                            q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), vp.data_ptr(), kp.shape[1], bs, d,
+                            h, h, table.data_ptr(), nb, q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), 1,
+                            d**-0.5, 0.0, 0, att.KERNEL_SPLIT, outs[k].data_ptr(), 2, scratch, per,
+                        )  # fmt: skip
+                        assert rc == 0
+                    times[k].append((time.perf_counter() - t0) / layers * 1e3)
+            if not torch.equal(outs["this"], outs["plain"]):
+                raise SystemExit(f"the two builds' outputs differ ({n} queries, {order})")
+            this, plain = statistics.median(times["this"]), statistics.median(times["plain"])
+            out_rows.append(
+                {"context": kv, "queries": n, "order": order, "ms": this, "ms_plain": plain, "ratio": this / plain}
+            )
+    return out_rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -134,11 +196,15 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1536, 3072])
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256])
+    ap.add_argument("--pool-layers", type=int, default=12, help="builds: layers of the pool out of cache")
     ap.add_argument("--json", default=None, help="default benchmarks/results/agent_attention[_bf16].json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-builds", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(measure(args)))
+    if args.pool_layers < 1:
+        raise SystemExit("--pool-layers must be >= 1")
+    if args.child or args.child_builds:
+        print(json.dumps(builds(args) if args.child_builds else measure(args)))
         return
     meta = _meta.begin()
     by: dict[str, list[dict[str, Any]]] = {}
@@ -148,6 +214,7 @@ def main() -> None:
     argv = [sys.executable, __file__, "--child", "--heads", str(args.heads), "--head-dim", str(args.head_dim)]
     argv += ["--dtype", args.dtype]
     argv += ["--contexts", *map(str, args.contexts), "--queries", *map(str, args.queries)]
+    argv += ["--pool-layers", str(args.pool_layers)]
     for mode in ("default", "kept"):
         env = {k: v for k, v in os.environ.items() if k != "PREFIXCACHE_MALLOC"}
         if mode == "default":
@@ -156,6 +223,10 @@ def main() -> None:
         if done.returncode != 0:
             raise SystemExit(f"the {mode}-malloc child failed:\n{done.stderr[-2000:]}")
         by[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    done = subprocess.run([*argv[:2], "--child-builds", *argv[3:]], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the builds child failed:\n{done.stderr[-2000:]}")
+    built = json.loads(done.stdout.strip().splitlines()[-1])
     print(
         f"{args.dtype}:\n| context | queries | decode path ms | prefill path ms | the engine's path | gather + SDPA ms "
         "(malloc default) | gather + SDPA ms (freed memory kept) | outputs differing |"
@@ -167,10 +238,22 @@ def main() -> None:
             f"| {a['context']} | {a['queries']} | {b['decode_ms']:.2f} | {pf} | {b['path']} | {a['torch_ms']:.2f} "
             f"| {b['torch_ms']:.2f} | {b['outputs_differing']}/{b['outputs']} |"
         )
+    if built:
+        print(
+            f"\nthe prefill path over {args.pool_layers} layers out of cache, ms per layer: this build / without the "
+            "half tiles and prefetch\n| context | queries | blocks | this build | plain | ratio |\n"
+            "| ---: | ---: | --- | ---: | ---: | ---: |"
+        )
+        for r in built:
+            print(
+                f"| {r['context']} | {r['queries']} | {r['order']} | {r['ms']:.3f} | {r['ms_plain']:.3f} "
+                f"| {r['ratio']:.2f} |"
+            )
     payload = {
-        "settings": {k: v for k, v in vars(args).items() if k != "child"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "child_builds")},
         "malloc_default": by["default"],
         "malloc_kept": by["kept"],
+        "builds": built,
         "max_abs_diff": max(r["max_abs_diff"] for rows in by.values() for r in rows),
         "meta": _meta.end(meta),
     }

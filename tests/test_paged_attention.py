@@ -240,6 +240,53 @@ def test_prefetch_distance_changes_no_output(dtype):
         assert outs[0].isfinite().all() and outs[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_tunings_change_no_output(dtype):
+    """The prefill path computes a tile of at most 16 queries in one 16-lane half and asks for keys and values
+    ahead of its reads (``PF_HALF``, ``PF_PREFETCH``); built without both (``load_variant``, as
+    ``bench_agent_attention.py`` times it) it computes the same bits: rows of 4-80 new tokens (one half tile, one
+    full tile, a full and a half one, several) over scattered blocks, grouped-query heads, with and without a
+    sliding window whose first key lies inside a block. The float64 reference checks of the default build are the
+    hypothesis tests above."""
+    import ctypes
+
+    lib, plain = kernel.load(), kernel.load_variant("PF_HALF=0", "PF_PREFETCH=0")
+    if lib is None or plain is None:
+        pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
+    if not kernel.prefill_available(lib, dtype):
+        pytest.skip(f"the prefill path is not built here for {dtype}")
+    gen = torch.Generator().manual_seed(1)
+    hkv, hq, dim, bs = 2, 4, 64, 16
+    q_lens, kv_lens = [4, 12, 16, 17, 40, 80], [900, 60, 1300, 17, 700, 600]
+    nb = -(-max(kv_lens) // bs)
+    rows = len(q_lens)
+    pool = KVPool([LayerSpec((hkv, dim), (hkv, dim))], rows * nb + 8, bs, dtype=dtype, device="cpu")
+    kp, vp = pool.layer(0)
+    kp.normal_(generator=gen)
+    vp.normal_(generator=gen)
+    tables = torch.randperm(kp.shape[1], generator=gen)[: rows * nb].to(torch.int32).view(rows, nb).contiguous()
+    q = torch.randn((sum(q_lens), hq, dim), generator=gen).to(dtype).float()
+    q_len = torch.tensor(q_lens, dtype=torch.int32)
+    q_start = (torch.cumsum(q_len, 0) - q_len).to(torch.int32)
+    kv_len = torch.tensor(kv_lens, dtype=torch.int32)
+    per = int(lib.paged_prefill_scratch(dim, 512)) * 2
+    scratch = ctypes.create_string_buffer(per)
+    for window in (0, 333):
+        outs = []
+        for built in (lib, plain):
+            out = torch.empty((sum(q_lens), hq, dim))
+            fn = built.paged_prefill_bf16 if dtype == torch.bfloat16 else built.paged_prefill_f32
+            rc = fn(
+                q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), vp.data_ptr(), kp.shape[1], bs, dim, hkv, hq,
+                tables.data_ptr(), nb, q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), rows, dim**-0.5,
+                0.0, window, 512, out.data_ptr(), 2, scratch, per,
+            )  # fmt: skip
+            assert rc == 0
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert outs[0].isfinite().all() and outs[0].abs().sum() > 0
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     bs=st.sampled_from([1, 4, 16]),

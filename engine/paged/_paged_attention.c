@@ -195,6 +195,18 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
+/* At key p of an item reading keys lo .. last (p the first key of a block, or of a split): the values of p's block
+ * (read after the split's keys), and the keys KV_AHEAD blocks on (at lo, every block up to there); `el` bytes per
+ * element. Only asks the memory for lines: changes nothing computed. */
+static inline void prefetch_at(const job_t *j, const int32_t *table, int64_t head_base, int p, int lo, int last,
+                               int64_t el) {
+    const int64_t blk = (int64_t)j->bs * j->dim * el; /* one block of one head, bytes */
+    prefetch_bytes((const char *)j->vpool + key_at(j, table, head_base, p - p % j->bs) * el, blk);
+    const int b0 = p / j->bs, lb = last / j->bs;
+    for (int b = p == lo ? b0 + 1 : b0 + KV_AHEAD; b <= b0 + KV_AHEAD && b <= lb; b++)
+        prefetch_bytes((const char *)j->kpool + key_at(j, table, head_base, b * j->bs) * el, blk);
+}
+
 /* round_bf16 over 16 lanes. */
 static inline __m512 round_bf16_16(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
@@ -229,17 +241,9 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
             float m = -INFINITY, l = 0.0f;
             for (int c0 = (lo / S) * S; c0 <= pos; c0 += S) {
                 const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < pos ? c0 + S - 1 : pos, n = c1 - a + 1;
-                const int64_t el = bf ? 2 : 4, blk = (int64_t)j->bs * D * el; /* one block of one head, bytes */
                 for (int p = a; p <= c1; p++) {
                     const int64_t at = key_at(j, table, head_base, p);
-                    if (p % j->bs == 0 || p == a) { /* at a block: its values (read after the split's keys), and the
-                                                     * keys KV_AHEAD blocks on (at the first key, every block up to
-                                                     * there) */
-                        prefetch_bytes((const char *)j->vpool + (at - (int64_t)(p % j->bs) * D) * el, blk);
-                        const int b0 = p / j->bs, last = pos / j->bs;
-                        for (int b = p == lo ? b0 + 1 : b0 + KV_AHEAD; b <= b0 + KV_AHEAD && b <= last; b++)
-                            prefetch_bytes((const char *)j->kpool + key_at(j, table, head_base, b * j->bs) * el, blk);
-                    }
+                    if (p % j->bs == 0 || p == a) prefetch_at(j, table, head_base, p, lo, pos, bf ? 2 : 4);
                     __m512 x = _mm512_mul_ps(qv[0], load16(j->kpool, at, bf));
                     for (int c = 1; c < nd; c++) x = _mm512_fmadd_ps(qv[c], load16(j->kpool, at + 16 * c, bf), x);
                     float sc = _mm512_reduce_add_ps(x) * j->scale;
@@ -283,6 +287,17 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
 #define PF_KB 8        /* keys per score block: 16 accumulators */
 #define PF_NQ 4        /* queries per PV group */
 #define PF_MAX_DIM 256 /* head dims up to this (multiples of 16) */
+/* The prefill path's tunings, each 0 in a variant built to compare against (kernel.load_variant; the outputs are the
+ * same bits either way). PF_HALF: a tile of at most 16 queries computes one 16-lane half of the tile, 16 keys at a
+ * time (else both halves, 8 keys at a time). PF_PREFETCH: the tiles ask for their keys KV_AHEAD blocks ahead and for
+ * each block's values (prefetch_at), as the decode path does. Rows of 8 new tokens over 3,000 cached ones, 12
+ * layers out of cache (bf16, scattered blocks): 1.05 -> 0.43 ms per layer for both. */
+#ifndef PF_HALF
+#define PF_HALF 1
+#endif
+#ifndef PF_PREFETCH
+#define PF_PREFETCH 1
+#endif
 
 /* Which of a tile's queries (bit i: query i, at position pos0 + i, i < nq) attend key position p. */
 static inline uint32_t tile_mask(int p, int pos0, int nq, int window) {
@@ -330,13 +345,14 @@ static inline uint32_t tile_key_mask(const job_t *j, const tile_t *t, int p) {
 }
 
 /* A score block's `un` keys from position a + kb: their scaled scores into s ([k][32]), and the split's running
- * max over the keys each query sees into mx. */
-static inline void store_scores(const job_t *j, const tile_t *t, __m512 acc[PF_KB][2], int un, int a, int kb, float *s,
-                                __m512 mx[2]) {
+ * max over the keys each query sees into mx; for the first `nv` 16-lane halves of the tile. */
+static inline __attribute__((always_inline)) void store_scores(const job_t *j, const tile_t *t, __m512 (*acc)[2],
+                                                                int un, int a, int kb, float *s, __m512 mx[2],
+                                                                const int nv) {
     const __m512 scale = _mm512_set1_ps(j->scale);
     for (int u = 0; u < un; u++) {
         const uint32_t mk = tile_key_mask(j, t, a + kb + u);
-        for (int v = 0; v < 2; v++) {
+        for (int v = 0; v < nv; v++) {
             const __m512 sc = _mm512_mul_ps(acc[u][v], scale);
             _mm512_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 16 * v, sc);
             mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v], sc);
@@ -355,9 +371,12 @@ static int64_t prefill_scratch(int dim, int split) {
 }
 
 /* A split's running max, rescale factors and sums: m <- max(m, mx) (in mn too), l *= exp(m_old - m) (1 where the max
- * did not move), the factors in cs (so the output accumulators follow), and the exps' sums reset. */
-static inline void split_rescale(__m512 m[2], __m512 l[2], const __m512 mx[2], __m512 mn[2], __m512 esum[2], float *cs) {
-    for (int v = 0; v < 2; v++) {
+ * did not move), the factors in cs (so the output accumulators follow), and the exps' sums reset; for the first `nv`
+ * 16-lane halves. */
+static inline __attribute__((always_inline)) void split_rescale(__m512 m[2], __m512 l[2], const __m512 mx[2],
+                                                                 __m512 mn[2], __m512 esum[2], float *cs,
+                                                                 const int nv) {
+    for (int v = 0; v < nv; v++) {
         mn[v] = _mm512_max_ps(m[v], mx[v]);
         const __mmask16 up = _mm512_cmp_ps_mask(mn[v], m[v], _CMP_GT_OQ);
         const __m512 c = _mm512_mask_blend_ps(up, _mm512_set1_ps(1.0f), fast_exp16(_mm512_sub_ps(m[v], mn[v])));
@@ -405,11 +424,14 @@ static inline __attribute__((always_inline)) void pv_group_f32(float *o, const f
 }
 
 /* One float32 prefill tile: queries i0 .. i0 + 31 of row r (fewer at the row's end), query head h. The online
- * softmax of run_item16 over the same splits, in tiles: scores for 8 keys x 32 queries at a time by fp32 FMAs from
+ * softmax of run_item16 over the same splits, in tiles: scores for KB keys x 32 queries at a time by fp32 FMAs from
  * the keys where they lie (summed over the head dim in order), per split the max as they are stored, the exps in
- * place (summed in key order), and the values weighted straight from the pool, 4 queries at a time. */
+ * place (summed in key order), and the values weighted straight from the pool, 4 queries at a time. `nv` (a
+ * constant): the 16-lane halves computed, 1 where the tile has at most 16 queries (then 16 keys at a time); each
+ * query's lane computes the same either way, so the outputs are the same bits. */
 static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *j, int r, int h, int i0, const int nd,
-                                                                   char *scratch) {
+                                                                   const int nv, char *scratch) {
+    const int KB = nv == 1 ? 2 * PF_KB : PF_KB;
     const int D = nd * 16;
     const tile_t tile = tile_at(j, r, h, i0);
     const int nq = tile.nq, S = tile.S, qs = tile.qs, lo = tile.lo, posl = tile.posl;
@@ -431,26 +453,29 @@ static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *
     for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
         __m512 mx[2] = {ninf, ninf};
-        for (int kb = 0; kb < n; kb += PF_KB) {
-            const float *kr[PF_KB];
-            for (int u = 0; u < PF_KB; u++) kr[u] = kpool + key_at(j, table, head_base, a + kb + u <= c1 ? a + kb + u : c1);
-            __m512 acc[PF_KB][2];
-            for (int u = 0; u < PF_KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+        for (int kb = 0; kb < n; kb += KB) {
+            for (int u = 0; u < KB && a + kb + u <= c1; u++)
+                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0)) prefetch_at(j, table, head_base, a + kb + u, lo, posl, 4);
+            const float *kr[2 * PF_KB];
+            for (int u = 0; u < KB; u++) kr[u] = kpool + key_at(j, table, head_base, a + kb + u <= c1 ? a + kb + u : c1);
+            __m512 acc[2 * PF_KB][2];
+            for (int u = 0; u < KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
             for (int d = 0; d < D; d++) {
-                const __m512 qa = _mm512_loadu_ps(qt + d * PF_QT), qb = _mm512_loadu_ps(qt + d * PF_QT + 16);
-                for (int u = 0; u < PF_KB; u++) {
+                const __m512 qa = _mm512_loadu_ps(qt + d * PF_QT);
+                const __m512 qb = nv == 2 ? _mm512_loadu_ps(qt + d * PF_QT + 16) : qa;
+                for (int u = 0; u < KB; u++) {
                     const __m512 kd = _mm512_set1_ps(kr[u][d]);
                     acc[u][0] = _mm512_fmadd_ps(qa, kd, acc[u][0]);
-                    acc[u][1] = _mm512_fmadd_ps(qb, kd, acc[u][1]);
+                    if (nv == 2) acc[u][1] = _mm512_fmadd_ps(qb, kd, acc[u][1]);
                 }
             }
-            store_scores(j, &tile, acc, n - kb < PF_KB ? n - kb : PF_KB, a, kb, s, mx);
+            store_scores(j, &tile, acc, n - kb < KB ? n - kb : KB, a, kb, s, mx, nv);
         }
         __m512 mn[2], esum[2];
-        split_rescale(m, l, mx, mn, esum, cs);
+        split_rescale(m, l, mx, mn, esum, cs, nv);
         for (int k = 0; k < n; k++) {
             const uint32_t mk = tile_key_mask(j, &tile, a + k);
-            for (int v = 0; v < 2; v++) {
+            for (int v = 0; v < nv; v++) {
                 float *sk = s + (int64_t)k * PF_QT + 16 * v;
                 const __m512 e = _mm512_maskz_mov_ps((__mmask16)(mk >> (16 * v)),
                                                      fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sk), mn[v])));
@@ -459,7 +484,7 @@ static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *
             }
             vo[k] = key_at(j, table, head_base, a + k);
         }
-        for (int v = 0; v < 2; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
+        for (int v = 0; v < nv; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
         for (int i = 0; i < nq; i += PF_NQ) {
             if (nq - i >= PF_NQ)
                 pv_group_f32(o + (int64_t)i * D, cs + i, s + i, vpool, vo, n, nd, PF_NQ);
@@ -471,12 +496,14 @@ static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *
 }
 
 static void prefill_item_f32(const job_t *j, int r, int h, int i0, char *scratch) {
+    const int half = PF_HALF && j->q_len[r] - i0 <= 16;
     if (j->dim == 64)
-        prefill_tile_f32(j, r, h, i0, 4, scratch);
+        half ? prefill_tile_f32(j, r, h, i0, 4, 1, scratch) : prefill_tile_f32(j, r, h, i0, 4, 2, scratch);
     else if (j->dim == 128)
-        prefill_tile_f32(j, r, h, i0, 8, scratch);
+        half ? prefill_tile_f32(j, r, h, i0, 8, 1, scratch) : prefill_tile_f32(j, r, h, i0, 8, 2, scratch);
     else
-        prefill_tile_f32(j, r, h, i0, j->dim / 16, scratch);
+        half ? prefill_tile_f32(j, r, h, i0, j->dim / 16, 1, scratch)
+             : prefill_tile_f32(j, r, h, i0, j->dim / 16, 2, scratch);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -516,10 +543,10 @@ static inline __attribute__((always_inline)) void pv_group(float *o, const float
  * as run_item16 over the same splits, with the bf16 dot products of AVX512-BF16 (each product exact, summed in
  * fp32, as torch's bf16 gemm does): scores for 8 keys x 32 queries at a time from the keys where they lie, then
  * per split the max, the exps (rounded to bf16 for the values, summed unrounded), and the values weighted in
- * pairs of keys (a split's values interleaved by key pairs in the scratch). */
+ * pairs of keys (a split's values interleaved by key pairs in the scratch). `nv` as in prefill_tile_f32. */
 static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, int r, int h, int i0, const int nd,
-                                                               char *scratch) {
-    const int D = nd * 16, P = D / 2;
+                                                               const int nv, char *scratch) {
+    const int D = nd * 16, P = D / 2, KB = nv == 1 ? 2 * PF_KB : PF_KB;
     const tile_t tile = tile_at(j, r, h, i0);
     const int nq = tile.nq, S = tile.S, qs = tile.qs, lo = tile.lo, posl = tile.posl;
     const int32_t *table = tile.table;
@@ -547,33 +574,36 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
     for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
         __m512 mx[2] = {ninf, ninf};
-        for (int kb = 0; kb < n; kb += PF_KB) {
-            const uint32_t *kr[PF_KB];
-            for (int u = 0; u < PF_KB; u++) {
+        for (int kb = 0; kb < n; kb += KB) {
+            for (int u = 0; u < KB && a + kb + u <= c1; u++)
+                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0)) prefetch_at(j, table, head_base, a + kb + u, lo, posl, 2);
+            const uint32_t *kr[2 * PF_KB];
+            for (int u = 0; u < KB; u++) {
                 const int p = a + kb + u <= c1 ? a + kb + u : c1;
                 kr[u] = (const uint32_t *)((const uint16_t *)j->kpool + key_at(j, table, head_base, p));
             }
-            __m512 acc[PF_KB][2];
-            for (int u = 0; u < PF_KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+            __m512 acc[2 * PF_KB][2];
+            for (int u = 0; u < KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
             for (int d = 0; d < P; d++) {
-                const __m512i qa = _mm512_loadu_si512(qp + d * PF_QT), qb = _mm512_loadu_si512(qp + d * PF_QT + 16);
-                for (int u = 0; u < PF_KB; u++) {
+                const __m512i qa = _mm512_loadu_si512(qp + d * PF_QT);
+                const __m512i qb = nv == 2 ? _mm512_loadu_si512(qp + d * PF_QT + 16) : qa;
+                for (int u = 0; u < KB; u++) {
                     const __m512i kb2 = _mm512_set1_epi32((int)kr[u][d]);
                     acc[u][0] = dpbf(acc[u][0], qa, kb2);
-                    acc[u][1] = dpbf(acc[u][1], qb, kb2);
+                    if (nv == 2) acc[u][1] = dpbf(acc[u][1], qb, kb2);
                 }
             }
-            store_scores(j, &tile, acc, n - kb < PF_KB ? n - kb : PF_KB, a, kb, s, mx);
+            store_scores(j, &tile, acc, n - kb < KB ? n - kb : KB, a, kb, s, mx, nv);
         }
         __m512 mn[2], esum[2];
-        split_rescale(m, l, mx, mn, esum, cs);
+        split_rescale(m, l, mx, mn, esum, cs, nv);
         /* per pair of keys: the exps (summed unrounded, in key order), rounded to bf16 and packed as pairs for the
          * values' dot products; and the pair's values interleaved */
         const int np = (n + 1) / 2;
         for (int t = 0; t < np; t++) {
             const int k0 = 2 * t, k1 = 2 * t + 1;
             const uint32_t mk0 = tile_key_mask(j, &tile, a + k0), mk1 = k1 < n ? tile_key_mask(j, &tile, a + k1) : 0u;
-            for (int v = 0; v < 2; v++) {
+            for (int v = 0; v < nv; v++) {
                 const __m512 e0 = _mm512_maskz_mov_ps(
                     (__mmask16)(mk0 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v), mn[v])));
                 esum[v] = _mm512_add_ps(esum[v], e0);
@@ -597,7 +627,7 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
                 _mm512_storeu_si512(vp + (int64_t)t * 2 * D + 32 * c, _mm512_permutexvar_epi16(ilv, z));
             }
         }
-        for (int v = 0; v < 2; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
+        for (int v = 0; v < nv; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
         for (int i = 0; i < nq; i += PF_NQ) {
             if (nq - i >= PF_NQ)
                 pv_group(o + (int64_t)i * D, cs + i, pp + i, vp, np, nd, PF_NQ);
@@ -609,12 +639,13 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
 }
 
 static void prefill_item_bf16(const job_t *j, int r, int h, int i0, char *scratch) {
+    const int half = PF_HALF && j->q_len[r] - i0 <= 16;
     if (j->dim == 64)
-        prefill_tile(j, r, h, i0, 4, scratch);
+        half ? prefill_tile(j, r, h, i0, 4, 1, scratch) : prefill_tile(j, r, h, i0, 4, 2, scratch);
     else if (j->dim == 128)
-        prefill_tile(j, r, h, i0, 8, scratch);
+        half ? prefill_tile(j, r, h, i0, 8, 1, scratch) : prefill_tile(j, r, h, i0, 8, 2, scratch);
     else
-        prefill_tile(j, r, h, i0, j->dim / 16, scratch);
+        half ? prefill_tile(j, r, h, i0, j->dim / 16, 1, scratch) : prefill_tile(j, r, h, i0, j->dim / 16, 2, scratch);
 }
 #define PREFILL_BF16_BUILT 1
 #else

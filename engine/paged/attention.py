@@ -38,9 +38,9 @@ KERNEL_MAX_QUERIES = 16  # rows with at most this many new tokens go through the
 KERNEL_SPLIT = 512  # the kernel's online softmax runs over splits of this many keys, as torch's flash attention does
 KERNEL_BF16 = True  # bf16 pools: the kernel serves steps of several rows (a lone row keeps SDPA, bit for bit)
 PREFILL_BF16 = True  # ... and its rows of several new tokens by AVX512-BF16 dot products (bench_agent_attention)
-PREFILL_MIN_QUERIES = 5  # bf16 rows with at least this many new tokens take that prefill path (faster from 5 on)
+PREFILL_MIN_QUERIES = 4  # bf16 rows with at least this many new tokens take that prefill path (faster from 4 on)
 PREFILL_F32 = True  # float32 rows of several new tokens in steps of several rows: the kernel's fp32 prefill path
-PREFILL_MIN_QUERIES_F32 = 8  # ... from this many new tokens (bench_agent_attention); a lone row keeps SDPA
+PREFILL_MIN_QUERIES_F32 = 4  # ... from this many new tokens (bench_agent_attention); a lone row keeps SDPA
 TWO_QUERIES_BF16 = True  # a bf16 decoding row on the torch path beside other rows runs SDPA on its query twice
 
 _current: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("prefixcache_step", default=None)

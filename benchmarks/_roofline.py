@@ -4,8 +4,8 @@ the bytes a decode step moves, against what this machine's memory delivers.
 ``forward_flops`` counts a forward's floating-point operations from the model's shapes: 2 per weight of every
 ``nn.Linear`` below the output head per computed token, 2 per weight of the output head per row whose logits are
 taken, and 4 * layers * (query heads x head dim) per (query token, key) pair of attention (QK^T and PV).
-``mm_gflops`` times ``torch.mm`` at given (m, k, n) shapes on this machine's threads: at the shapes of a step's
-linears it is the matmul peak that step could reach; at a large square shape, the machine's peak.
+``mm_gflops`` times ``torch.mm`` at given (m, k, n) shapes on this machine's threads, in the model's dtype: at the
+shapes of a step's linears it is the matmul peak that step could reach; at a large square shape, the machine's peak.
 ``stream_gbs`` measures the achievable memory bandwidth STREAM-style (a sum over, and a copy of, arrays far larger
 than the caches, on torch's threads); ``decode_bytes`` counts what a decode step must read: every linear's weights
 (the output head's included) once, and each row's cached K/V.
@@ -41,11 +41,12 @@ def forward_flops(model: Any, tokens: int, logit_rows: int, attention_pairs: int
     return linear + 2.0 * head * logit_rows + 4.0 * layers * heads * head_dim * attention_pairs
 
 
-def mm_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2) -> float:
-    """GFLOP/s of ``torch.mm`` over ``shapes`` (m, k, n), each run for at least ``min_s`` after a warm-up."""
+def mm_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of ``torch.mm`` over ``shapes`` (m, k, n) in ``dtype``, each run for at least ``min_s`` after a
+    warm-up."""
     flops = seconds = 0.0
     for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
         torch.mm(a, b)
         reps, t0 = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - t0) < min_s:
@@ -57,15 +58,16 @@ def mm_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2) -> float:
 
 
 def roofline(model: Any, forward_s: float, tokens: int, steps: int, logit_rows: int, pairs: int) -> dict[str, Any]:
-    """The forward's achieved GFLOP/s over ``forward_s`` and its fraction of torch.mm's peak, at the step's mean
-    linear shapes (m = tokens per step) and at a large square shape."""
+    """The forward's achieved GFLOP/s over ``forward_s`` and its fraction of torch.mm's peak in the model's dtype, at
+    the step's mean linear shapes (m = tokens per step) and at a large square shape."""
     flops = forward_flops(model, tokens, logit_rows, pairs)
     achieved = flops / forward_s / 1e9 if forward_s > 0 else 0.0
     m = max(1, round(tokens / max(steps, 1)))
     shapes, _ = linear_shapes(model)
     distinct = sorted(set(shapes))
-    at_step = mm_gflops([(m, i, o) for i, o in distinct])
-    large = mm_gflops([(2048, 2048, 2048)])
+    dtype = next(model.parameters()).dtype
+    at_step = mm_gflops([(m, i, o) for i, o in distinct], dtype=dtype)
+    large = mm_gflops([(2048, 2048, 2048)], dtype=dtype)
     return {
         "forward_gflop": flops / 1e9,
         "forward_gflops": achieved,

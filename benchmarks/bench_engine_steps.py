@@ -1,7 +1,8 @@
 """Where the engine's time goes: serve_peers' chat workload driven straight into the engine (no HTTP), step by step.
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
-                                            [--block-size 16] [--runs 1] [--json FILE]
+                                            [--block-size 16] [--runs 1] [--workload chat|agent]
+                                            [--dtype float32|bfloat16] [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
 turns of ~60 tokens, 32-token greedy replies: the workload of ``benchmarks/serve_peers.py``, built by its own
@@ -12,6 +13,9 @@ committing blocks); the rest of the wall time is this loop's own Python (chat te
 roofline (``_roofline.py``) sets the forward's achieved GFLOP/s (FLOPs counted from the model's shapes, the tokens
 computed and the attention's (query, key) pairs) against torch.mm's GFLOP/s at the step's mean linear shapes and at
 2048^3 (JSON ``roofline``).
+``--workload agent`` plays serve_peers' agent sessions instead (its ``agent_sessions``: ``--chats`` sessions of the
+kv-cache-tester trace, up to ``--turns`` turns each, one user message per turn, replies of the trace's lengths capped
+at ``--max-tokens``), back to back: the trace's gaps are not slept here.
 Compared with ``serve_peers.py --servers pc`` on the same machine, the difference in requests/s is what HTTP, the
 event loop and the engine thread cost. ``cores_busy`` is this process's CPU time over the wall time. With --runs N
 the whole workload is played N times, each on a fresh model and engine: the JSON's top level is the first run,
@@ -37,7 +41,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_peers import round_chats  # noqa: E402  (benchmarks/serve_peers.py: the chat workload, no HTTP needed)
+from serve_peers import TRACE, agent_sessions, round_chats  # noqa: E402  (serve_peers.py: its workloads, no HTTP)
 
 import _meta  # noqa: E402
 from _roofline import roofline  # noqa: E402
@@ -73,19 +77,27 @@ class Client:
         self.result = result
 
     def submit_next(self) -> bool:
-        """Submit the next turn; False when this client's chats are done."""
-        if self.chat is None or self.turn >= len(self.chat["users"]):
+        """Submit the next turn; False when this client's chats are done. A chat's turn adds a user message to its
+        history (and the reply after it); an agent session's turn (``prompts``) is one user message of its own."""
+        agent = self.chat is not None and "prompts" in self.chat
+        if self.chat is None or self.turn >= len(self.chat["prompts" if agent else "users"]):
             if not self.chats:
                 return False
             self.chat, self.turn = self.chats.pop(0), 0
-            self.history = [{"role": "system", "content": self.chat["system"]}]
-        self.history.append({"role": "user", "content": self.chat["users"][self.turn]})
+            agent = "prompts" in self.chat
+            self.history = [] if agent else [{"role": "system", "content": self.chat["system"]}]
+        limit = self.max_tokens
+        if agent:
+            self.history = [{"role": "user", "content": self.chat["prompts"][self.turn]}]
+            limit = self.chat["limits"][self.turn]
+        else:
+            self.history.append({"role": "user", "content": self.chat["users"][self.turn]})
         self.turn += 1
         tok = self.pcm.tokenizer
         ids = list(tok.apply_chat_template(self.history, add_generation_prompt=True, tokenize=True)["input_ids"])
         self.prompts.append(len(ids))
         self.got_first, self.result, self.t0 = False, None, time.monotonic()
-        sampling = SamplingParams(max_tokens=self.max_tokens)
+        sampling = SamplingParams(max_tokens=limit)
         self.engine.submit(
             Request(f"turn{len(self.prompts)}", ids, self.pcm.runtime.namespace("default"), sampling, sink=self)
         )
@@ -122,6 +134,8 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", type=int, default=1, help="play the workload this many times, each on a fresh engine")
+    ap.add_argument("--workload", choices=["chat", "agent"], default="chat")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     meta = _meta.begin()
@@ -140,12 +154,23 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     """Play the workload once on a fresh model and engine; print and return its figures."""
     config = SchedulerConfig(max_step_tokens=args.max_step_tokens, max_chunk_tokens=args.max_chunk_tokens)
     pcm = PrefixCachedModel.from_pretrained(
-        args.model, max_cached_tokens=args.pool_tokens, block_size=args.block_size, engine_config=config
+        args.model,
+        max_cached_tokens=args.pool_tokens,
+        block_size=args.block_size,
+        engine_config=config,
+        dtype=getattr(torch, args.dtype),
     )
     engine = pcm.engine()
     if engine is None:
         raise SystemExit(f"the engine cannot run this model: {pcm.engine_unsupported_reason}")
-    chats = round_chats(args.seed, args.chats, args.tenants, args.turns, 300, 60)
+    if args.workload == "agent":
+        trace = argparse.Namespace(
+            trace=TRACE, project=ROOT, block_tokens=2, max_prompt_tokens=3500, max_tokens=args.max_tokens,
+            gap_scale=0.0, max_gap_s=0.0,
+        )  # fmt: skip
+        chats = agent_sessions(trace, args.seed, args.chats, args.turns)
+    else:
+        chats = round_chats(args.seed, args.chats, args.tenants, args.turns, 300, 60)
     clients = [Client(chats[i :: args.clients], pcm, engine, args.max_tokens) for i in range(args.clients)]
     t0, cpu0 = time.monotonic(), time.process_time()
     active = [c for c in clients if c.submit_next()]

@@ -290,8 +290,8 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
 /* The prefill path's tunings, each 0 in a variant built to compare against (kernel.load_variant; the outputs are the
  * same bits either way). PF_HALF: a tile of at most 16 queries computes one 16-lane half of the tile, 16 keys at a
  * time (else both halves, 8 keys at a time). PF_PREFETCH: the tiles ask for their keys KV_AHEAD blocks ahead and for
- * each block's values (prefetch_at), as the decode path does. Rows of 8 new tokens over 3,000 cached ones, 12
- * layers out of cache (bf16, scattered blocks): 1.05 -> 0.43 ms per layer for both. */
+ * each block's values (prefetch_at), as the decode path does. Rows of 8 new tokens over 3,072 cached ones, 12
+ * layers out of cache (bf16, scattered blocks): 1.06 -> 0.45 ms per layer for both (bench_agent_attention). */
 #ifndef PF_HALF
 #define PF_HALF 1
 #endif
@@ -454,8 +454,9 @@ static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
         __m512 mx[2] = {ninf, ninf};
         for (int kb = 0; kb < n; kb += KB) {
-            for (int u = 0; u < KB && a + kb + u <= c1; u++)
-                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0)) prefetch_at(j, table, head_base, a + kb + u, lo, posl, 4);
+            for (int u = 0; u < KB && a + kb + u <= c1; u++) /* at each block the keys ahead, its values */
+                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0))
+                    prefetch_at(j, table, head_base, a + kb + u, lo, posl, 4);
             const float *kr[2 * PF_KB];
             for (int u = 0; u < KB; u++) kr[u] = kpool + key_at(j, table, head_base, a + kb + u <= c1 ? a + kb + u : c1);
             __m512 acc[2 * PF_KB][2];
@@ -541,7 +542,7 @@ static inline __attribute__((always_inline)) void pv_group(float *o, const float
 
 /* One prefill tile: queries i0 .. i0 + 31 of row r (fewer at the row's end), query head h. The same online softmax
  * as run_item16 over the same splits, with the bf16 dot products of AVX512-BF16 (each product exact, summed in
- * fp32, as torch's bf16 gemm does): scores for 8 keys x 32 queries at a time from the keys where they lie, then
+ * fp32, as torch's bf16 gemm does): scores for KB keys x 32 queries at a time from the keys where they lie, then
  * per split the max, the exps (rounded to bf16 for the values, summed unrounded), and the values weighted in
  * pairs of keys (a split's values interleaved by key pairs in the scratch). `nv` as in prefill_tile_f32. */
 static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, int r, int h, int i0, const int nd,
@@ -575,8 +576,9 @@ static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, i
         const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
         __m512 mx[2] = {ninf, ninf};
         for (int kb = 0; kb < n; kb += KB) {
-            for (int u = 0; u < KB && a + kb + u <= c1; u++)
-                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0)) prefetch_at(j, table, head_base, a + kb + u, lo, posl, 2);
+            for (int u = 0; u < KB && a + kb + u <= c1; u++) /* at each block the keys ahead, its values */
+                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0))
+                    prefetch_at(j, table, head_base, a + kb + u, lo, posl, 2);
             const uint32_t *kr[2 * PF_KB];
             for (int u = 0; u < KB; u++) {
                 const int p = a + kb + u <= c1 ? a + kb + u : c1;

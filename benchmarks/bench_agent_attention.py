@@ -152,11 +152,13 @@ def builds(args: argparse.Namespace) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
     nb = -(-kv // bs)
     pool = KVPool([LayerSpec((h, d), (h, d))] * layers, nb + 16, bs, dtype=dtype, device="cpu")
-    sides = [pool.layer(i) for i in range(layers)]
-    for pair in sides:
+    sides = []
+    for i in range(layers):
+        pair = pool.layer(i)
         assert pair is not None
         for side in pair:
             side.normal_(generator=gen)
+        sides.append(pair)
     orders = {"in order": torch.arange(nb), "scattered": torch.randperm(nb + 16, generator=gen)[:nb]}
     per = int(libs["this"].paged_prefill_scratch(d, att.KERNEL_SPLIT)) * 2
     scratch = ctypes.create_string_buffer(per)
@@ -172,7 +174,7 @@ def builds(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for k, lib in libs.items():
                     fn = lib.paged_prefill_bf16 if dtype == torch.bfloat16 else lib.paged_prefill_f32
                     t0 = time.perf_counter()
-                    for kp, vp in sides:  # type: ignore[misc]
+                    for kp, vp in sides:
                         rc = fn(
                             q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), vp.data_ptr(), kp.shape[1], bs, d,
                             h, h, table.data_ptr(), nb, q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), 1,

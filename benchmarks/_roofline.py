@@ -1,11 +1,14 @@
-"""A roofline for the engine's forward: the FLOPs a step's forward does, against what torch.mm reaches here; and
-the bytes a decode step moves, against what this machine's memory delivers.
+"""A roofline for the engine's forward: the FLOPs a step's forward does, against what the engine's own linears reach
+here; and the bytes a decode step moves, against what this machine's memory delivers.
 
 ``forward_flops`` counts a forward's floating-point operations from the model's shapes: 2 per weight of every
 ``nn.Linear`` below the output head per computed token, 2 per weight of the output head per row whose logits are
 taken, and 4 * layers * (query heads x head dim) per (query token, key) pair of attention (QK^T and PV).
-``mm_gflops`` times ``torch.mm`` at given (m, k, n) shapes on this machine's threads, in the model's dtype: at the
-shapes of a step's linears it is the matmul peak that step could reach; at a large square shape, the machine's peak.
+``linear_gflops`` times the engine's linears (``PackedLinears``: oneDNN over weights packed once, the small-row kernel
+for the row counts it takes) at given (m, k, n) shapes on this machine's threads, in the model's dtype: at the shapes
+of a step's linears it is the matmul peak that step could reach; at a large square shape, the machine's peak.
+``mm_gflops`` times ``torch.mm`` the same way, for reference only: on this AMD CPU torch's fp32 ``mm`` (MKL) runs at
+less than half of oneDNN's fp32 rate, so it is no peak (its bf16 rate is oneDNN's).
 ``stream_gbs`` measures the achievable memory bandwidth STREAM-style (a sum over, and a copy of, arrays far larger
 than the caches, on torch's threads); ``decode_bytes`` counts what a decode step must read: every linear's weights
 (the output head's included) once, and each row's cached K/V.
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.paged.linear import linears
+from engine.paged.linear import PackedLinears, linears
 
 
 def linear_shapes(model: Any) -> tuple[list[tuple[int, int]], int]:
@@ -57,23 +60,45 @@ def mm_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2, dtype: tor
     return flops / seconds / 1e9
 
 
+def linear_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of the engine's packed linears (``PackedLinears``, as a forward uses them) over ``shapes`` (m, k, n):
+    ``m`` rows of ``k`` inputs into ``n`` outputs, in ``dtype``, each run for at least ``min_s`` after a warm-up."""
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        layer = torch.nn.Linear(k, n, bias=False).to(dtype)
+        packed = PackedLinears(layer)
+        x = torch.randn(m, k).to(dtype)
+        with torch.inference_mode(), packed.active():
+            layer(x)
+            reps, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < min_s:
+                layer(x)
+                reps += 1
+        flops += 2.0 * m * k * n * reps
+        seconds += elapsed
+    return flops / seconds / 1e9
+
+
 def roofline(model: Any, forward_s: float, tokens: int, steps: int, logit_rows: int, pairs: int) -> dict[str, Any]:
-    """The forward's achieved GFLOP/s over ``forward_s`` and its fraction of torch.mm's peak in the model's dtype, at
-    the step's mean linear shapes (m = tokens per step) and at a large square shape."""
+    """The forward's achieved GFLOP/s over ``forward_s`` and its fraction of the engine's linears' peak in the model's
+    dtype, at the step's mean linear shapes (m = tokens per step) and at a large square shape; torch.mm's rates at the
+    same shapes beside them (``mm_*``, for reference)."""
     flops = forward_flops(model, tokens, logit_rows, pairs)
     achieved = flops / forward_s / 1e9 if forward_s > 0 else 0.0
     m = max(1, round(tokens / max(steps, 1)))
     shapes, _ = linear_shapes(model)
     distinct = sorted(set(shapes))
     dtype = next(model.parameters()).dtype
-    at_step = mm_gflops([(m, i, o) for i, o in distinct], dtype=dtype)
-    large = mm_gflops([(2048, 2048, 2048)], dtype=dtype)
+    at_step = linear_gflops([(m, i, o) for i, o in distinct], dtype=dtype)
+    large = linear_gflops([(2048, 2048, 2048)], dtype=dtype)
     return {
         "forward_gflop": flops / 1e9,
         "forward_gflops": achieved,
         "mean_tokens_per_step": m,
-        "mm_gflops_at_step_shapes": at_step,
-        "mm_gflops_large": large,
+        "linear_gflops_at_step_shapes": at_step,
+        "linear_gflops_large": large,
+        "mm_gflops_at_step_shapes": mm_gflops([(m, i, o) for i, o in distinct], dtype=dtype),
+        "mm_gflops_large": mm_gflops([(2048, 2048, 2048)], dtype=dtype),
         "fraction_of_step_shape_peak": achieved / at_step if at_step else 0.0,
         "fraction_of_large_peak": achieved / large if large else 0.0,
     }

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -32,8 +33,11 @@ def test_forward_flops_counts_linears_head_and_attention() -> None:
     assert _roofline.forward_flops(model, tokens=10, logit_rows=3, attention_pairs=55) == pytest.approx(expected)
 
 
-def test_mm_gflops_is_positive() -> None:
-    assert _roofline.mm_gflops([(4, 8, 8)], min_s=0.01) > 0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_rates_run_in_the_dtype(dtype: torch.dtype) -> None:
+    """Both rate helpers time their shapes in the given dtype (the packed linears' small-row and oneDNN row counts)."""
+    assert _roofline.mm_gflops([(4, 8, 8)], min_s=0.01, dtype=dtype) > 0
+    assert _roofline.linear_gflops([(4, 32, 32), (80, 32, 32)], min_s=0.01, dtype=dtype) > 0
 
 
 def test_sweep_shapes_and_rows() -> None:

@@ -21,6 +21,7 @@ from engine.batching.request import Request, RequestResult
 from engine.batching.sampling import SamplingParams
 from engine.batching.scheduler import SchedulerConfig
 from engine.kv_pool import KVPool
+from engine.paged import linear
 from prefixcache import CacheConfig, PrefixCache
 
 MAX_STEPS = 2000
@@ -387,6 +388,23 @@ def test_exception_inside_a_step(monkeypatch, fail_at):
     run_checked(engine)
     for p, s in zip(later, sinks):
         assert_matches_bare(arch, p, s, 6)
+    assert_idle(engine)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no packed linears here")
+def test_packed_linears_time_is_counted_within_the_forward():
+    model = model_of("llama")
+    pool = KVPool(hf_cache.probe_specs(model), 64, 4, dtype=model.dtype, device="cpu")
+    cache = PrefixCache(CacheConfig(num_blocks=64, block_size=4))
+    engine = Engine(model, cache, pool, linears=linear.PackedLinears(model))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [rand_tokens(gen, 9), rand_tokens(gen, 5)]
+    sinks = [submit(engine, f"r{i}", p, SamplingParams(max_tokens=4))[1] for i, p in enumerate(prompts)]
+    run_checked(engine)
+    st = engine.stats
+    assert st.linears_s > 0 and st.linears_s + st.attention_s <= st.forward_s
+    for p, s in zip(prompts, sinks):
+        assert_matches_bare("llama", p, s, 4)
     assert_idle(engine)
 
 

@@ -3,6 +3,8 @@ and a Qwen2 (q/k/v biases); the model is left as it was; repack follows changed 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -37,6 +39,21 @@ def test_packed_forward_gives_the_models_logits(kind):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(after, ref)  # the model's own forward again outside
     assert all("forward" not in m.__dict__ for m in linear.linears(model))
+
+
+def test_seconds_count_the_packed_forwards_only():
+    model = _model("llama")
+    ids = torch.arange(9).unsqueeze(0)
+    packed = linear.PackedLinears(model)
+    assert packed.seconds == 0.0
+    with torch.inference_mode():
+        model(input_ids=ids)  # the model's own linears: not counted
+        assert packed.seconds == 0.0
+        with packed.active():
+            t0 = time.perf_counter()
+            model(input_ids=ids)
+            wall = time.perf_counter() - t0
+    assert 0 < packed.seconds < wall
 
 
 def test_repack_follows_changed_weights():

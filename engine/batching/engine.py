@@ -62,6 +62,7 @@ class EngineStats:
     schedule_s: float = 0.0  # planning: admission, matching, allocation, preemption
     forward_s: float = 0.0  # the model's forward (building the batch included)
     attention_s: float = 0.0  # of which: attention over the pool
+    linears_s: float = 0.0  # of which: the packed linears (0 where the model's linears are not packed)
     finish_s: float = 0.0  # after the forward: scoring, sampling, streaming, caching blocks, finishing
     faults: int = 0  # requests failed by an exception in their part of a step (not counting the forward's)
 
@@ -166,6 +167,7 @@ class Engine:
             s.busy_s += planned - started
             return bool(plan.failed) or bool(plan.preempted)
         s.preemptions += len(plan.preempted)
+        linears_before = self.linears.seconds if self.linears is not None else 0.0
         try:
             logits, spans, attention_s = self._forward(plan)
         except Exception as exc:
@@ -176,6 +178,8 @@ class Engine:
         forwarded = time.perf_counter()
         s.forward_s += forwarded - planned
         s.attention_s += attention_s
+        if self.linears is not None:
+            s.linears_s += self.linears.seconds - linears_before
         self._advance(plan, logits, spans)
         s.finish_s += time.perf_counter() - forwarded
         n = sum(k for _, k in plan.work)

@@ -19,6 +19,7 @@ prefill chunk beside it) it also beat oneDNN's packed matmul over weights stream
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,11 @@ class PackedLinears:
         return small + sum(p.numel() * p.element_size() for p in self._packed)
 
     @property
+    def seconds(self) -> float:
+        """Time spent inside the packed linears' forwards since this was made (all threads' calls together)."""
+        return self._use.seconds
+
+    @property
     def small_rows(self) -> int:
         """How many linears the small-row kernel computes (for steps of ``SMALL_ROWS`` rows)."""
         return sum(s is not None for s in self._small)
@@ -137,10 +143,11 @@ ROW_STEP = 16
 
 
 class _Use:
-    """What the packed forwards do in the current ``active()`` block (read at each call)."""
+    """What the packed forwards do in the current ``active()`` block (read at each call), and their time."""
 
     def __init__(self) -> None:
         self.small = True  # the small-row kernel for the row counts it takes
+        self.seconds = 0.0  # time inside the packed forwards since the PackedLinears was made
 
 
 class SmallPacked:
@@ -185,19 +192,23 @@ def _packed_forward(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     linear = torch.ops.mkldnn._linear_pointwise
     least, most = SMALL_ROWS[small.dtype] if small is not None else (0, -1)
+    clock = time.perf_counter
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        t0 = clock()
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         n = rows.shape[0]
         if small is not None and least <= n <= most and use.small:
             out = small(rows)
             if out is not None:
+                use.seconds += clock() - t0
                 return out.view(*shape[:-1], out.shape[-1])
         m = rows_bucket(n)
         if m != n:  # zero rows up to the bucket, dropped after
             rows = torch.cat([rows, rows.new_zeros(m - n, rows.shape[1])])
         y: torch.Tensor = linear(rows, weight, bias, "none", [], "")[:n]
+        use.seconds += clock() - t0
         return y.view(*shape[:-1], y.shape[-1])
 
     return forward

@@ -177,6 +177,7 @@ class EngineLoop:
             "schedule_s": s.schedule_s,
             "forward_s": s.forward_s,
             "attention_s": s.attention_s,
+            "linears_s": s.linears_s,
             "finish_s": s.finish_s,
             "idle_s": self._idle_s,
             "between_steps_s": self._between_s,

@@ -48,6 +48,7 @@ _REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("prefixcache_engine_schedule_seconds", "counter", "Of which: scheduling", "schedule_s"),
     ("prefixcache_engine_forward_seconds", "counter", "Of which: the model's forward", "forward_s"),
     ("prefixcache_engine_attention_seconds", "counter", "Of the forward: attention over the pool", "attention_s"),
+    ("prefixcache_engine_linears_seconds", "counter", "Of the forward: the packed linear layers", "linears_s"),
     ("prefixcache_engine_finish_seconds", "counter", "Of which: sampling, streaming, caching blocks", "finish_s"),
     (
         "prefixcache_engine_between_steps_seconds",

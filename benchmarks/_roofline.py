@@ -8,7 +8,7 @@ taken, and 4 * layers * (query heads x head dim) per (query token, key) pair of 
 for the row counts it takes) at given (m, k, n) shapes on this machine's threads, in the model's dtype: at the shapes
 of a step's linears it is the matmul peak that step could reach; at a large square shape, the machine's peak.
 ``mm_gflops`` times ``torch.mm`` the same way, for reference only: on this AMD CPU torch's fp32 ``mm`` (MKL) runs at
-less than half of oneDNN's fp32 rate, so it is no peak (its bf16 rate is oneDNN's).
+about half of oneDNN's fp32 rate, so it is no peak (its bf16 rate is oneDNN's).
 ``stream_gbs`` measures the achievable memory bandwidth STREAM-style (a sum over, and a copy of, arrays far larger
 than the caches, on torch's threads); ``decode_bytes`` counts what a decode step must read: every linear's weights
 (the output head's included) once, and each row's cached K/V.

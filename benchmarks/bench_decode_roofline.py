@@ -73,43 +73,26 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     ]
     for r in reqs:
         engine.submit(r)
-    spent = {"linears": 0.0}
-    packed = linear._packed_forward
-
-    def timed(weight: torch.Tensor, bias: torch.Tensor | None, small: Any, use: Any) -> Any:  # the linears, timed
-        forward = packed(weight, bias, small, use)
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            t0 = time.perf_counter()
-            y = forward(x)
-            spent["linears"] += time.perf_counter() - t0
-            return y
-
-        return run
-
-    linear._packed_forward = timed
-    try:
-        with torch.inference_mode():
-            while not all(r.output for r in reqs):  # prefill until every row decodes
-                engine.step()
-            engine.step()  # one decode step of all rows as a warm-up
-            times, kv_tokens, attn, lin = [], [], [], []
-            onednn: dict[str, list[float]] = {"step": [], "linears": []}
-            for _ in range(args.steps):
-                before, att0, lin0 = engine.stats.forward_s, engine.stats.attention_s, spent["linears"]
-                kv_tokens.append(sum(r.computed for r in reqs))
-                engine.step()
-                times.append(engine.stats.forward_s - before)
-                attn.append(engine.stats.attention_s - att0)
-                lin.append(spent["linears"] - lin0)
-                if engine.linears is not None:  # the next step with oneDNN for every row count, interleaved
-                    with engine.linears.onednn_only():
-                        before, lin0 = engine.stats.forward_s, spent["linears"]
-                        engine.step()
-                    onednn["step"].append(engine.stats.forward_s - before)
-                    onednn["linears"].append(spent["linears"] - lin0)
-    finally:
-        linear._packed_forward = packed
+    st = engine.stats  # the linears' time is st.linears_s (the packed linears time themselves)
+    with torch.inference_mode():
+        while not all(r.output for r in reqs):  # prefill until every row decodes
+            engine.step()
+        engine.step()  # one decode step of all rows as a warm-up
+        times, kv_tokens, attn, lin = [], [], [], []
+        onednn: dict[str, list[float]] = {"step": [], "linears": []}
+        for _ in range(args.steps):
+            before, att0, lin0 = st.forward_s, st.attention_s, st.linears_s
+            kv_tokens.append(sum(r.computed for r in reqs))
+            engine.step()
+            times.append(st.forward_s - before)
+            attn.append(st.attention_s - att0)
+            lin.append(st.linears_s - lin0)
+            if engine.linears is not None:  # the next step with oneDNN for every row count, interleaved
+                with engine.linears.onednn_only():
+                    before, lin0 = st.forward_s, st.linears_s
+                    engine.step()
+                onednn["step"].append(st.forward_s - before)
+                onednn["linears"].append(st.linears_s - lin0)
     step_lin = step_linears(engine.linears, model, torch_dtype) if engine.linears is not None else []
     per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
     moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]

@@ -12,7 +12,7 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   ``--steps`` decode-only steps: the forward's time per step, the bytes it must read (``_roofline.decode_bytes``:
   weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth; and the step's parts:
   attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
-  packed linears (timed around each call) against the weights' bytes, and the rest (the modeling code's other ops,
+  packed linears (``EngineStats.linears_s``) against the weights' bytes, and the rest (the modeling code's other ops,
   sampling, bookkeeping); every other step runs its linears on oneDNN alone (no small-row kernel,
   ``engine.paged.linear``), for the step and linear times both ways; and every linear of the model once over
   24 to 160 rows (a decode step with a short prefill chunk beside it: ``step_linears``), as a step runs them (the

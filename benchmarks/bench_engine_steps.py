@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from serve_peers import TRACE, agent_sessions, round_chats  # noqa: E402  (serve_peers.py: its workloads, no HTTP)
 
 import _meta  # noqa: E402
-from _roofline import linear_shapes, roofline  # noqa: E402
+from _roofline import forward_flops, roofline  # noqa: E402
 from engine import PrefixCachedModel  # noqa: E402
 from engine.batching.request import Request, RequestResult  # noqa: E402
 from engine.batching.sampling import SamplingParams  # noqa: E402
@@ -121,10 +121,9 @@ class Client:
 
 
 def achieved_linear_gflops(result: dict[str, Any], model: Any) -> float:
-    """The packed linears' achieved GFLOP/s: their FLOPs (every computed token through every linear below the head)
-    over their time."""
-    shapes, _ = linear_shapes(model)
-    flops = 2.0 * sum(i * o for i, o in shapes) * (result["prefill_tokens"] + result["decode_tokens"])
+    """The packed linears' achieved GFLOP/s: their FLOPs (every computed token through every linear below the head:
+    ``forward_flops`` without the head's rows or attention's pairs) over their time."""
+    flops = forward_flops(model, result["prefill_tokens"] + result["decode_tokens"], 0, 0)
     t = result["forward_split_s"]["linears"]
     return flops / t / 1e9 if t > 0 else 0.0
 

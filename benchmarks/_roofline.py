@@ -90,7 +90,8 @@ def roofline(model: Any, forward_s: float, tokens: int, steps: int, logit_rows: 
     distinct = sorted(set(shapes))
     dtype = next(model.parameters()).dtype
     at_step = linear_gflops([(m, i, o) for i, o in distinct], dtype=dtype)
-    large = linear_gflops([(2048, 2048, 2048)], dtype=dtype)
+    # the peak: the best of 3 samples (the shared host's other load only ever lowers a sample)
+    large = max(linear_gflops([(2048, 2048, 2048)], dtype=dtype) for _ in range(3))
     return {
         "forward_gflop": flops / 1e9,
         "forward_gflops": achieved,

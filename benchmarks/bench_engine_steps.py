@@ -19,7 +19,8 @@ at ``--max-tokens``), back to back: the trace's gaps are not slept here.
 Compared with ``serve_peers.py --servers pc`` on the same machine, the difference in requests/s is what HTTP, the
 event loop and the engine thread cost. ``cores_busy`` is this process's CPU time over the wall time. With --runs N
 the whole workload is played N times, each on a fresh model and engine: the JSON's top level is the first run,
-``runs`` has every run's requests/s, TTFT and cores busy (the machine's run-to-run noise).
+``runs`` has every run's requests/s, TTFT and cores busy (the machine's run-to-run noise). glibc keeps freed
+memory (``engine.malloc``), as in ``prefixcache serve``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from engine import PrefixCachedModel  # noqa: E402
 from engine.batching.request import Request, RequestResult  # noqa: E402
 from engine.batching.sampling import SamplingParams  # noqa: E402
 from engine.batching.scheduler import SchedulerConfig  # noqa: E402
+from engine.malloc import keep_freed_memory  # noqa: E402
 
 
 class Client:
@@ -147,12 +149,16 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     meta = _meta.begin()
+    # glibc told to keep freed memory, as `prefixcache serve` runs (engine.malloc): without it every prefill
+    # chunk's megabyte-sized temporaries are fresh mappings whose pages fault in again (an fp32 agent step's
+    # SiLU * up took 5x its time), which the server does not pay
+    malloc_kept = keep_freed_memory()
     torch.set_num_threads(os.cpu_count() or 1)
     runs = [one_run(args) for _ in range(args.runs)]
     result = runs[0]
     if args.json:
         payload = {"meta": _meta.end(meta), "args": {k: str(v) for k, v in vars(args).items()}}
-        payload |= {"machine": platform.processor(), **result, "cpu_count": os.cpu_count()}
+        payload |= {"machine": platform.processor(), **result, "cpu_count": os.cpu_count(), "malloc_kept": malloc_kept}
         keys = ("wall_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "cpu_s", "cores_busy")
         payload["runs"] = [{k: r[k] for k in keys} for r in runs]
         args.json.write_text(json.dumps(payload, indent=1) + "\n")

@@ -157,6 +157,9 @@ def cli_main(argv: list[str]) -> int:
 
     from lm_eval.__main__ import cli_evaluate
 
+    from engine.malloc import keep_freed_memory
+
+    keep_freed_memory()  # `prefixcache eval` is this process, as `serve` is: freed temporaries stay in the heap
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
     try:

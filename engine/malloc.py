@@ -12,7 +12,9 @@ with ``mallopt``: blocks up to 32 MiB (glibc's largest mmap threshold) come from
 trimmed below 1 GiB of free memory. The process keeps up to its peak of temporaries resident; the numbers it
 computes are unchanged.
 
-``prefixcache serve`` (and each Ray Serve replica) calls it at start unless ``PREFIXCACHE_MALLOC=default``.
+``prefixcache serve`` (and each Ray Serve replica), ``prefixcache replay`` and ``prefixcache eval`` call it at start
+unless ``PREFIXCACHE_MALLOC=default``; the library's own calls (``generate_batch``, ``score``) leave a user's process
+alone.
 """
 
 from __future__ import annotations

@@ -53,3 +53,31 @@ def test_freed_blocks_below_the_threshold_stay_in_the_heap() -> None:
     )
     assert run(code, "default").split()[0] == "True"  # glibc's default: a mapping of its own, unmapped on free
     assert run(code, "kept").split() == ["False", "True"]  # kept: from the heap, which keeps it free for the next one
+
+
+def test_the_commands_that_run_a_model_keep_freed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`replay` and `eval` run the model in their own process, as `serve` does, so they set the thresholds too (the
+    call is recorded here, not made: mallopt would outlive the test in this process)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from prefixcache import cli
+
+    calls: list[str] = []
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append("kept") or True)
+    scenario = Path(__file__).resolve().parents[1] / "scenarios" / "shared_prompt.yaml"
+    args = ["replay", str(scenario), "--max-requests", "1", "--no-baseline", "--no-progress"]
+    r = CliRunner().invoke(cli.app, args)
+    assert r.exit_code == 0, r.output
+    assert calls == ["kept"]
+
+    pytest.importorskip("lm_eval")
+    import lm_eval.__main__
+
+    from engine.lm_eval_model import cli_main
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: ran.append(list(sys.argv)))
+    assert cli_main(["--tasks", "none"]) == 0
+    assert calls == ["kept", "kept"] and ran == [["lm-eval", "--tasks", "none"]]

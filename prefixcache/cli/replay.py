@@ -80,12 +80,14 @@ def replay(
             raise UsageError(str(exc)) from None
     try:
         from engine.device import usable_device
+        from engine.malloc import keep_freed_memory
         from engine.replay import ReplayError
         from engine.replay import replay as run_replay
     except ImportError as exc:
         raise UsageError(
             f"replay needs the model side (torch, transformers): pip install 'prefixcache[hf]' ({exc})"
         ) from None
+    keep_freed_memory()  # this process runs the model, as `serve` does: freed temporaries stay in the heap
     try:
         device = usable_device(device)  # before loading anything: a missing GPU is found at once
     except ValueError as exc:

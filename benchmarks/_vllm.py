@@ -55,8 +55,7 @@ def model_folder(model: str) -> Iterator[Path]:
 
 def probe(python: Path, folder: Path, dtype: str, mode: list[str]) -> dict[str, Any]:
     """One run of ``_vllm_probe.py`` (``mode``: its options, then its subcommand and that one's) on ``folder`` in
-    ``dtype``: its JSON.
-    SystemExit with vLLM's stderr when it fails."""
+    ``dtype``: its JSON, with ``wall_s`` (vLLM's start-up included). SystemExit with vLLM's stderr when it fails."""
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     cmd = [str(python), str(PROBE), "--model-dir", str(folder), "--vocab", str(vocab), "--dtype", dtype, *mode]
     t0 = time.perf_counter()

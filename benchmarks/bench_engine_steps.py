@@ -2,7 +2,8 @@
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
                                             [--block-size 16] [--runs 1] [--workload chat|agent]
-                                            [--dtype float32|bfloat16] [--json FILE]
+                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages]
+                                            [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
 turns of ~60 tokens, 32-token greedy replies: the workload of ``benchmarks/serve_peers.py``, built by its own
@@ -20,7 +21,10 @@ Compared with ``serve_peers.py --servers pc`` on the same machine, the differenc
 event loop and the engine thread cost. ``cores_busy`` is this process's CPU time over the wall time. With --runs N
 the whole workload is played N times, each on a fresh model and engine: the JSON's top level is the first run,
 ``runs`` has every run's requests/s, TTFT and cores busy (the machine's run-to-run noise). glibc keeps freed
-memory (``engine.malloc``), as in ``prefixcache serve``.
+memory (``engine.malloc``), as in ``prefixcache serve``. ``--ab X``: each run is followed by one without X, so
+its effect is a ratio from one run (JSON ``ab``, ``ab_runs``, ``this_over_ab``): ``plain-prefill``, the attention
+kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``; the same outputs, bit for bit);
+``no-huge-pages``, the KV pool and the small-row weights in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +153,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=["chat", "agent"], default="chat")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--ab", choices=sorted(AB), default=None, help="after each run, one without this (see above)")
     args = ap.parse_args()
     meta = _meta.begin()
     # glibc told to keep freed memory, as `prefixcache serve` runs (engine.malloc): without it every prefill
@@ -154,14 +161,66 @@ def main() -> None:
     # SiLU * up took 5x its time), which the server does not pay
     malloc_kept = keep_freed_memory()
     torch.set_num_threads(os.cpu_count() or 1)
-    runs = [one_run(args) for _ in range(args.runs)]
+    runs, plain = [], []
+    for _ in range(args.runs):
+        runs.append(one_run(args))
+        if args.ab:
+            with AB[args.ab]():
+                plain.append(one_run(args))
     result = runs[0]
     if args.json:
         payload = {"meta": _meta.end(meta), "args": {k: str(v) for k, v in vars(args).items()}}
         payload |= {"machine": platform.processor(), **result, "cpu_count": os.cpu_count(), "malloc_kept": malloc_kept}
         keys = ("wall_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "cpu_s", "cores_busy")
         payload["runs"] = [{k: r[k] for k in keys} for r in runs]
+        if plain:
+            payload["ab"] = args.ab
+            payload["ab_runs"] = [{k: r[k] for k in keys} for r in plain]
+            payload["this_over_ab"] = {
+                k: statistics.median(r[k] for r in runs) / statistics.median(r[k] for r in plain)
+                for k in ("requests_per_s", "ttft_p50_ms")
+            }
+    if plain:
+        for k in ("requests_per_s", "ttft_p50_ms"):
+            this_m, plain_m = (statistics.median(r[k] for r in rr) for rr in (runs, plain))
+            print(
+                f"{k}: this build {this_m:.3g}, plain prefill {plain_m:.3g} (median of {len(runs)}): x{this_m / plain_m:.3f}"
+            )
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+@contextmanager
+def plain_prefill() -> Iterator[None]:
+    """The engine's attention kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``) inside."""
+    from engine.paged import kernel
+
+    if kernel.load_variant(*kernel.PREFILL_PLAIN) is None:
+        raise SystemExit(f"--ab plain-prefill: the kernel did not build ({kernel.unavailable_reason()})")
+    default = kernel.load
+    kernel.load = lambda: kernel.load_variant(*kernel.PREFILL_PLAIN)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        kernel.load = default  # type: ignore[assignment]
+
+
+@contextmanager
+def no_huge_pages() -> Iterator[None]:
+    """Inside, new KV pools and packed weights stay in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``)."""
+    from engine import malloc
+
+    before = os.environ.get(malloc.HUGE_ENV)
+    os.environ[malloc.HUGE_ENV] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(malloc.HUGE_ENV)
+        else:
+            os.environ[malloc.HUGE_ENV] = before
+
+
+AB = {"plain-prefill": plain_prefill, "no-huge-pages": no_huge_pages}
 
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:

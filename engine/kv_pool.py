@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine import memory
+from engine.malloc import advise_huge_pages
 from prefixcache.core.windows import WindowSlots
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -87,6 +88,7 @@ class KVPool:
 
     def _allocate(self) -> None:
         dtype, num_blocks, block_size = self.dtype, self.num_blocks, self.block_size
+        self.huge_pages = False  # whether Linux was asked to back any pool tensor with huge pages
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for spec in self.specs:
             if spec is None:
@@ -97,13 +99,19 @@ class KVPool:
             # slots, a scratch slot and a zero slot (what a block without a slot reads)
             n = self.window_slots + 2 if len(self._layers) in self.window_layers else num_blocks + 1
             self._layers.append(
-                (
-                    torch.zeros((kh, n, block_size * kd), dtype=dtype, device=self.device),
-                    torch.zeros((vh, n, block_size * vd), dtype=dtype, device=self.device),
-                )
+                (self._zeros((kh, n, block_size * kd), dtype), self._zeros((vh, n, block_size * vd), dtype))
             )
         # reusable gather buffers [1, heads, capacity, dim] per layer and side, grown on demand; see gather()
         self._scratch: list[list[torch.Tensor | None]] = [[None, None] for _ in self.specs]
+
+    def _zeros(self, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed pool tensor; on the CPU, in transparent huge pages where Linux gives them
+        (``engine.malloc.advise_huge_pages``, asked before the zeros touch it): blocks are read scattered over the
+        pool, and with 4 KiB pages nearly every block read missed the TLB."""
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        if t.device.type == "cpu":
+            self.huge_pages = advise_huge_pages(t.data_ptr(), t.numel() * t.element_size()) or self.huge_pages
+        return t.zero_()
 
     def attach_windows(self, windows: WindowSlots | None) -> None:
         """Read and write the window layers through ``windows``' slots (the cache's window group)."""

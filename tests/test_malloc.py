@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,65 @@ def test_the_commands_that_run_a_model_keep_freed_memory(monkeypatch: pytest.Mon
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: ran.append(list(sys.argv)))
     assert cli_main(["--tasks", "none"]) == 0
     assert calls == ["kept", "kept"] and ran == [["lm-eval", "--tasks", "none"]]
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or None where there is none."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0] if "[" in text else None
+
+
+def _huge_kib_at(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages to ask for")
+def test_the_pool_and_the_small_row_weights_lie_in_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV pool's tensors and the small-row kernel's weights are asked for huge pages before they are touched,
+    and the kernel backs them so (smaps); ``PREFIXCACHE_HUGE_PAGES=off`` asks for nothing; the values are the same."""
+    import torch
+
+    from engine.kv_pool import KVPool, LayerSpec
+    from engine.paged.linear import PackedLinears
+
+    # tensors over glibc's largest mmap threshold (32 MiB): fresh mappings, never touched heap memory
+    pool = KVPool([LayerSpec((4, 64), (4, 64))], 10240, 16, dtype=torch.float32, device="cpu")  # 40 MiB a side
+    k, _ = pool.layer(0)
+    assert pool.huge_pages and _huge_kib_at(k.data_ptr() + k.numel() * 2) >= 2048
+    assert not k.any()  # zeroed after the advice
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))  # 64 MiB of weights
+    packed = PackedLinears(model)
+    if packed.small_rows:
+        assert packed.huge_pages
+        w = packed._small[0].weight
+        assert _huge_kib_at(w.data_ptr() + w.numel() * 2) >= 2048
+        x = torch.randn(8, 2048)
+        with torch.no_grad():
+            want = model(x)
+            with packed.active():
+                got = model(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setenv(malloc.HUGE_ENV, "off")
+    assert not KVPool([LayerSpec((4, 64), (4, 64))], 64, 16, dtype=torch.float32, device="cpu").huge_pages
+    assert not malloc.advise_huge_pages(k.data_ptr(), 1 << 22)
+
+
+def test_advise_huge_pages_needs_an_aligned_huge_page() -> None:
+    """A range that holds no whole 2 MiB-aligned page is not advised (nothing to back), and says so."""
+    assert not malloc.advise_huge_pages(malloc.HUGE_PAGE + 4096, malloc.HUGE_PAGE)
+    assert not malloc.advise_huge_pages(0, 4096)

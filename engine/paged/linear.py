@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.malloc import HUGE_PAGE, advise_huge_pages
 from engine.paged import kernel
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class PackedLinears:
         self._use = _Use()  # what those forwards do in the current block
         self._onednn_only = False
         self._small_lib = kernel.load_small_linear() if small_rows else None
+        self.huge_pages = False  # whether the small-row weights lie in memory advised for huge pages
         self.repack()
 
     @property
@@ -106,6 +108,7 @@ class PackedLinears:
                 torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_HINT) for m in self._linears
             ]
             self._small = [small_packed(self._small_lib, m) for m in self._linears]
+            self.huge_pages = _into_huge_pages([s for s in self._small if s is not None])
         self._forwards = []
 
     @contextmanager
@@ -127,6 +130,24 @@ class PackedLinears:
             self._use.small = before
             for m in self._linears:
                 m.__dict__.pop("forward", None)
+
+
+def _into_huge_pages(smalls: list[SmallPacked]) -> bool:
+    """Move the small-row kernel's weights into one buffer that Linux was asked to back with transparent huge pages
+    (``engine.malloc.advise_huge_pages``, before the copies touch it); returns whether it was. A decode step streams
+    every weight from memory. Changes no value. (Measured on the bf16 agent shape, engine only: 4.75 and 4.83 req/s
+    without, 4.86 and 4.92 with, interleaved.)"""
+    if not smalls:
+        return False
+    sizes = [-(-s.weight.numel() * s.weight.element_size() // 64) * 64 for s in smalls]
+    raw = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
+    at = (-raw.data_ptr()) % HUGE_PAGE
+    advised = advise_huge_pages(raw.data_ptr() + at, sum(sizes))
+    for s, size in zip(smalls, sizes, strict=True):
+        n = s.weight.numel() * s.weight.element_size()
+        s.weight = raw[at : at + n].view(s.weight.dtype).view(s.weight.shape).copy_(s.weight)
+        at += size
+    return advised
 
 
 def rows_bucket(n: int) -> int:

@@ -183,13 +183,10 @@ def main() -> None:
                 k: statistics.median(r[k] for r in runs) / statistics.median(r[k] for r in plain)
                 for k in ("requests_per_s", "ttft_p50_ms")
             }
-    if plain:
-        for k in ("requests_per_s", "ttft_p50_ms"):
-            this_m, plain_m = (statistics.median(r[k] for r in rr) for rr in (runs, plain))
-            print(
-                f"{k}: as built {this_m:.3g}, {args.ab} {plain_m:.3g} (medians of {len(runs)}): x{this_m / plain_m:.3f}"
-            )
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
+    for k in ("requests_per_s", "ttft_p50_ms") if plain else ():
+        this_m, plain_m = (statistics.median(r[k] for r in rr) for rr in (runs, plain))
+        print(f"{k}: as built {this_m:.3g}, {args.ab} {plain_m:.3g} (medians of {len(runs)}): x{this_m / plain_m:.3f}")
 
 
 @contextmanager

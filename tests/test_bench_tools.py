@@ -213,3 +213,27 @@ def test_decode_roofline_runs_vllm_on_its_shape_or_says_why_not(tmp_path: Path) 
     (tmp_path / "model3").mkdir()
     with pytest.raises(SystemExit, match=r"(?s)decode probe failed \(float32, rc 3\).*no such model"):
         bdr.vllm_steps(_roofline_args(tmp_path / "model3", fake))
+
+
+def test_engine_steps_ab_writes_both_sides_and_their_ratio(tmp_path: Path) -> None:
+    """``bench_engine_steps.py --ab no-huge-pages`` plays the workload as built and without huge pages in turn and
+    writes both sides' runs and the ratio of their medians; without ``--ab`` it writes the plain record."""
+    import json
+    import subprocess
+
+    base = [sys.executable, str(ROOT / "benchmarks" / "bench_engine_steps.py"), "--model", "tiny", "--clients", "2"]
+    base += ["--chats", "2", "--turns", "2", "--max-tokens", "4", "--pool-tokens", "4096"]
+    for ab in ("no-huge-pages", None):
+        out = tmp_path / f"{ab}.json"
+        extra = ["--ab", ab] if ab else []
+        done = subprocess.run([*base, *extra, "--json", str(out)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        d = json.loads(out.read_text())
+        assert d["requests"] == 4 and len(d["runs"]) == 1
+        if ab:
+            assert d["ab"] == ab and len(d["ab_runs"]) == 1
+            want = d["runs"][0]["requests_per_s"] / d["ab_runs"][0]["requests_per_s"]
+            assert d["this_over_ab"]["requests_per_s"] == pytest.approx(want)
+            assert "as built" in done.stdout and ab in done.stdout
+        else:
+            assert "ab" not in d and "this_over_ab" not in d

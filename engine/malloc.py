@@ -33,17 +33,24 @@ TRIM_THRESHOLD = 1024 * 1024 * 1024
 ENV = "PREFIXCACHE_MALLOC"
 
 
+def _libc() -> ctypes.CDLL | None:
+    """The C library, or None where it cannot be found or loaded."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (see the module docstring). Returns whether both
     were set: False where ``PREFIXCACHE_MALLOC=default``, the C library is not glibc, or it refused."""
     if os.environ.get(ENV, "").strip().lower() == "default":
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
+    libc = _libc()
+    if libc is None:
         return False
     if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl and others have no such thresholds
         return False
@@ -72,12 +79,8 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     length = (address + nbytes - start) // HUGE_PAGE * HUGE_PAGE
     if length <= 0 or os.uname().sysname != "Linux":
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
+    libc = _libc()
+    if libc is None:
         return False
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
@@ -33,8 +34,9 @@ TRIM_THRESHOLD = 1024 * 1024 * 1024
 ENV = "PREFIXCACHE_MALLOC"
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library, or None where it cannot be found or loaded."""
+    """The C library (loaded once), or None where it cannot be found or loaded."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None

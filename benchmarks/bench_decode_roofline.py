@@ -166,12 +166,18 @@ def step_linears(packed: linear.PackedLinears, model: torch.nn.Module, dtype: to
     return found
 
 
+def _runs(blocks: int, run: int, gen: torch.Generator) -> torch.Tensor:
+    """``0 .. blocks - 1`` in runs of ``run`` consecutive ids (the last one shorter), the runs shuffled."""
+    starts = torch.arange(0, blocks, run)[torch.randperm(-(-blocks // run), generator=gen)]
+    return torch.cat([torch.arange(s, min(s + run, blocks)) for s in starts.tolist()])
+
+
 def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> list[dict[str, Any]]:
     """The decode path alone (one layer's attention of ``--rows`` rows of ``--context`` tokens, one query each) over
     4 pools (layers) of ``--rows`` x ``--context`` tokens each, more than the L3 holds: the rows' blocks in order,
-    consecutive but descending (what a full pool handed out when eviction freed a tail last block first), or
-    scattered (a random permutation, as a serving pool's end up). ms per layer (the best of 3 medians of 10 passes
-    over the 4, the orders in turn) and GB/s of K/V read; ``ms_ahead1``/``gbs_ahead1``: the same kernel asking for
+    consecutive but descending (what a full pool handed out when eviction freed a tail last block first),
+    scattered (a random permutation, as a full serving pool's end up), or in shuffled runs of ``--run-blocks``.
+    ms per layer (the best of 3 medians of 10 passes over the 4, the orders in turn) and GB/s of K/V read; ``ms_ahead1``/``gbs_ahead1``: the same kernel asking for
     each row's keys one block ahead instead of ``KV_AHEAD`` blocks, timed in turn with it."""
     lib = kernel.load()
     assert lib is not None, kernel.unavailable_reason()
@@ -200,6 +206,9 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
         "in order": torch.arange(blocks),
         "descending": torch.arange(blocks).flip(0),  # consecutive, last first: a tail evicted last block first
         "scattered": torch.randperm(blocks, generator=gen),
+        # the pool cut into runs of --run-blocks consecutive blocks, the runs in random order: how a fresh server's
+        # pool lays out the agent shape's rows (bench_engine_steps.py's decode_block_run: about 13)
+        "runs": _runs(blocks, args.run_blocks, gen),
     }
     for order, ids in orders.items():
         tables[order] = ids[: args.rows * nb].to(torch.int32).view(args.rows, nb).contiguous()
@@ -243,6 +252,8 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     found = []
     for order in tables:
         row: dict[str, Any] = {"dtype": dtype, "blocks": order}
+        if order == "runs":
+            row["run_blocks"] = args.run_blocks
         for which in libs:
             row[f"ms{which}"] = best[order, which]
             row[f"gbs{which}"] = kv_bytes / best[order, which] / 1e6
@@ -280,6 +291,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument(
+        "--run-blocks", type=int, default=13, help="blocks per run of the 'runs' layout (the agent shape's: about 13)"
+    )
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_roofline.json"))
     ap.add_argument(
         "--vllm-python",
@@ -310,6 +324,8 @@ def main() -> None:
     # the shared host's bandwidth drifts within a run: the best of the two samples is what it can deliver
     bandwidth = {k: max(before[k], after[k]) for k in ("read", "copy")} | {"before": before, "after": after}
     print(f"memory bandwidth after: read {after['read']:.1f} GB/s, copy {after['copy']:.1f} GB/s")
+    for b in blocks:  # the decode path's read rate against the same run's read bandwidth
+        b["fraction_of_read_bandwidth"] = b["gbs"] / bandwidth["read"]
     for r in rows:
         r["fraction_of_read_bandwidth"] = r["gbs"] / bandwidth["read"]
         for part in ("attention", "linears", "onednn_linears"):

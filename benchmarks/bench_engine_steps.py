@@ -247,9 +247,14 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     clients = [Client(chats[i :: args.clients], pcm, engine, args.max_tokens) for i in range(args.clients)]
     t0, cpu0 = time.monotonic(), time.process_time()
     active = [c for c in clients if c.submit_next()]
+    blocks = runs = 0  # the decoding requests' block tables after each step: blocks, and runs of consecutive ids
     while active:
         with pcm.lock:
             engine.step()
+            for req in engine.scheduler.running:
+                if req.computed >= len(req.prompt) and len(req.table) > 1:
+                    blocks += len(req.table)
+                    runs += 1 + sum(b != a + 1 for a, b in zip(req.table, req.table[1:]))
         active = [c for c in active if c.collect()]
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     pcm.cache.check_integrity()
@@ -270,6 +275,9 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_tokens": s.prefill_tokens,
         "decode_tokens": s.decode_tokens,
         "preemptions": s.preemptions,
+        # how the decoding rows' blocks lie in the pool: the mean length of a run of consecutive block ids in their
+        # tables (the decode path reads a run as one stream; bench_decode_roofline.py times such runs)
+        "decode_block_run": blocks / runs if runs else None,
         "cpu_s": cpu,
         "cores_busy": cpu / wall,
         "roofline": roofline(
@@ -317,6 +325,10 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         + ", ".join(f"{k} {1000 * v / s.steps:.2f} ms" for k, v in split.items())
         + f" (the linears at {result['roofline']['linears_gflops']:.0f} GFLOP/s)"
     )
+    if result["decode_block_run"] is not None:
+        console.print(
+            f"decoding rows' blocks: runs of {result['decode_block_run']:.1f} consecutive pool blocks on average"
+        )
     r = result["roofline"]
     roof = Table(title="roofline: the forward's GFLOP/s against the engine's linears here (torch.mm's in brackets)")
     for col in (

@@ -215,6 +215,21 @@ def test_decode_roofline_runs_vllm_on_its_shape_or_says_why_not(tmp_path: Path) 
         bdr.vllm_steps(_roofline_args(tmp_path / "model3", fake))
 
 
+def test_decode_roofline_runs_layout_cuts_the_pool_into_shuffled_runs() -> None:
+    """The 'runs' layout of the decode path's timing: every block once, in runs of consecutive ids, each starting at a
+    multiple of the run length (the last one shorter), and not the identity."""
+    import bench_decode_roofline as bdr
+    import torch
+
+    ids = bdr._runs(50, 13, torch.Generator().manual_seed(0)).tolist()
+    assert sorted(ids) == list(range(50)) and ids != list(range(50))
+    starts = [i for i, b in enumerate(ids) if b % 13 == 0]
+    assert len(starts) == 4
+    for i in starts:
+        length = min(13, 50 - ids[i])
+        assert ids[i : i + length] == list(range(ids[i], ids[i] + length))
+
+
 def test_engine_steps_ab_writes_both_sides_and_their_ratio(tmp_path: Path) -> None:
     """``bench_engine_steps.py --ab no-huge-pages`` plays the workload as built and without huge pages in turn and
     writes both sides' runs and the ratio of their medians; without ``--ab`` it writes the plain record."""
@@ -230,6 +245,8 @@ def test_engine_steps_ab_writes_both_sides_and_their_ratio(tmp_path: Path) -> No
         assert done.returncode == 0, done.stderr[-2000:]
         d = json.loads(out.read_text())
         assert d["requests"] == 4 and len(d["runs"]) == 1
+        # the decoding rows' tables: runs of consecutive blocks, each at least 1 block and at most a whole table
+        assert 1 <= d["decode_block_run"] <= -(-4096 // 16)
         if ab:
             assert d["ab"] == ab and len(d["ab_runs"]) == 1
             want = d["runs"][0]["requests_per_s"] / d["ab_runs"][0]["requests_per_s"]

@@ -177,8 +177,10 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     4 pools (layers) of ``--rows`` x ``--context`` tokens each, more than the L3 holds: the rows' blocks in order,
     consecutive but descending (what a full pool handed out when eviction freed a tail last block first),
     scattered (a random permutation, as a full serving pool's end up), or in shuffled runs of ``--run-blocks``.
-    ms per layer (the best of 3 medians of 10 passes over the 4, the orders in turn) and GB/s of K/V read; ``ms_ahead1``/``gbs_ahead1``: the same kernel asking for
-    each row's keys one block ahead instead of ``KV_AHEAD`` blocks, timed in turn with it."""
+    ms per layer (the best of 3 medians of 10 passes over the 4, the orders in turn), GB/s of K/V read and its share
+    of a read probe taken at the start of each of the 3 rounds (a sum over 256 MiB, the best of them);
+    ``ms_ahead1``/``gbs_ahead1``: the same kernel asking for each row's keys one block ahead instead of ``KV_AHEAD``
+    blocks, timed in turn with it."""
     lib = kernel.load()
     assert lib is not None, kernel.unavailable_reason()
     # the same kernel asking for keys one block ahead instead of KV_AHEAD (4), timed in turn with it
@@ -213,7 +215,9 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     for order, ids in orders.items():
         tables[order] = ids[: args.rows * nb].to(torch.int32).view(args.rows, nb).contiguous()
     best: dict[tuple[str, str], float] = {}
+    probe = 0.0  # the read bandwidth beside these timings: a probe at each pass's start, the best of them
     for _ in range(3):  # the orders (and the two prefetch distances) in turn, 3 times: the host's bandwidth drifts
+        probe = max(probe, stream_gbs(1 << 28, 5)["read"])
         for (order, table), (which, built) in itertools.product(tables.items(), libs.items()):
             fn = built.paged_attention_bf16 if torch_dtype == torch.bfloat16 else built.paged_attention_f32
             times = []
@@ -251,12 +255,13 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     kv_bytes = 2 * args.rows * args.context * heads * dim * torch.empty((), dtype=torch_dtype).element_size()
     found = []
     for order in tables:
-        row: dict[str, Any] = {"dtype": dtype, "blocks": order}
+        row: dict[str, Any] = {"dtype": dtype, "blocks": order, "read_gbs_beside": probe}
         if order == "runs":
             row["run_blocks"] = args.run_blocks
         for which in libs:
             row[f"ms{which}"] = best[order, which]
             row[f"gbs{which}"] = kv_bytes / best[order, which] / 1e6
+        row["fraction_of_read_bandwidth"] = row["gbs"] / probe  # best against best, the same minutes
         found.append(row)
         near_ms = f", {row['ms_ahead1']:.2f} ms with keys asked for 1 block ahead" if "ms_ahead1" in row else ""
         print(
@@ -324,8 +329,6 @@ def main() -> None:
     # the shared host's bandwidth drifts within a run: the best of the two samples is what it can deliver
     bandwidth = {k: max(before[k], after[k]) for k in ("read", "copy")} | {"before": before, "after": after}
     print(f"memory bandwidth after: read {after['read']:.1f} GB/s, copy {after['copy']:.1f} GB/s")
-    for b in blocks:  # the decode path's read rate against the same run's read bandwidth
-        b["fraction_of_read_bandwidth"] = b["gbs"] / bandwidth["read"]
     for r in rows:
         r["fraction_of_read_bandwidth"] = r["gbs"] / bandwidth["read"]
         for part in ("attention", "linears", "onednn_linears"):

@@ -12,11 +12,15 @@ about half of oneDNN's fp32 rate, so it is no peak (its bf16 rate is oneDNN's).
 ``stream_gbs`` measures the achievable memory bandwidth STREAM-style (a sum over, and a copy of, arrays far larger
 than the caches, on torch's threads); ``decode_bytes`` counts what a decode step must read: every linear's weights
 (the output head's included) once, and each row's cached K/V.
+``forward_floor`` bounds a run's forwards from below: each step's linears at the linears' large-shape peak or at one
+read of the weights (the longer), prefill attention at that peak, the decoding tokens' cached K/V read once at the read
+bandwidth, everything else free.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -139,3 +143,37 @@ def decode_bytes(model: Any, kv_tokens: int, kv_bytes_per_token: int) -> dict[st
     weights = (sum(i * o for i, o in shapes) + head) * item
     kv = kv_tokens * kv_bytes_per_token
     return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def forward_floor(
+    model: Any,
+    step_tokens: Sequence[int],
+    logit_rows: int,
+    prefill_pairs: int,
+    decode_kv_bytes: int,
+    peak_gflops: float,
+    read_gbs: float,
+) -> dict[str, float]:
+    """A lower bound on the seconds of forwards (one per step, ``step_tokens`` tokens each, ``logit_rows`` rows of
+    logits in all) that attended over ``prefill_pairs`` (query, key) pairs of prompt tokens in every attention layer
+    and read ``decode_kv_bytes`` of cached K/V for decoding tokens. Each step's linears take the longer of their FLOPs
+    at ``peak_gflops`` and one read of every weight at ``read_gbs`` (the weights are far larger than the caches); the
+    head's rows and the prefill pairs' FLOPs run at the peak; the decoding tokens' K/V is read at ``read_gbs``. Norms,
+    rotary, activations, K/V writes, a decoding token's FLOPs over its keys and the Python around it all count as
+    free: no run of these forwards here is faster unless it beats the peak or the bandwidth it was given."""
+    if peak_gflops <= 0 or read_gbs <= 0:
+        raise ValueError(f"the peak ({peak_gflops} GFLOP/s) and the bandwidth ({read_gbs} GB/s) must be positive")
+    per_token = forward_flops(model, 1, 0, 0) / peak_gflops / 1e9
+    weights = decode_bytes(model, 0, 0)["weights"] / read_gbs / 1e9
+    linears = sum(max(t * per_token, weights) for t in step_tokens)
+    bound = sum(t * per_token < weights for t in step_tokens)
+    head = forward_flops(model, 0, logit_rows, 0) / peak_gflops / 1e9
+    prefill = forward_flops(model, 0, 0, prefill_pairs) / peak_gflops / 1e9
+    kv = decode_kv_bytes / read_gbs / 1e9
+    return {
+        "linears_s": linears + head,
+        "steps_bound_by_weights": float(bound),
+        "prefill_attention_s": prefill,
+        "decode_kv_s": kv,
+        "total_s": linears + head + prefill + kv,
+    }

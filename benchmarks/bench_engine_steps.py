@@ -52,11 +52,12 @@ sys.path.insert(0, str(ROOT))
 from serve_peers import TRACE, agent_sessions, round_chats  # noqa: E402  (serve_peers.py: its workloads, no HTTP)
 
 import _meta  # noqa: E402
-from _roofline import forward_flops, roofline  # noqa: E402
+from _roofline import forward_floor, forward_flops, roofline, stream_gbs  # noqa: E402
 from engine import PrefixCachedModel  # noqa: E402
 from engine.batching.request import Request, RequestResult  # noqa: E402
 from engine.batching.sampling import SamplingParams  # noqa: E402
 from engine.batching.scheduler import SchedulerConfig  # noqa: E402
+from engine.kv_pool import bytes_per_token  # noqa: E402
 from engine.malloc import keep_freed_memory  # noqa: E402
 
 
@@ -76,6 +77,7 @@ class Client:
         self.prompts: list[int] = []
         self.generated = 0  # completion tokens (rows whose logits were taken)
         self.pairs = 0  # (query token, key) pairs attended, per attention layer
+        self.decode_pairs = 0  # of those, the decoding tokens' (each fed-back reply token reads its row's K/V)
 
     def tokens(self, ids: list[int]) -> None:  # the request's sink: called as tokens come
         if not self.got_first:
@@ -123,6 +125,8 @@ class Client:
         # positions computed: cached .. prompt + output - 2 (the last token is never fed); position p attends p + 1
         end = res.prompt_tokens + res.completion_tokens - 1
         self.pairs += end * (end + 1) // 2 - res.cached_tokens * (res.cached_tokens + 1) // 2
+        # the fed-back reply tokens sit at positions prompt .. end - 1 and attend prompt + 1 .. end keys
+        self.decode_pairs += max(0, end * (end + 1) // 2 - res.prompt_tokens * (res.prompt_tokens + 1) // 2)
         self.generated += res.completion_tokens
         reply = self.pcm.tokenizer.decode(list(res.output), skip_special_tokens=True).replace("\ufffd", "")
         self.history.append({"role": "assistant", "content": reply})
@@ -135,6 +139,42 @@ def achieved_linear_gflops(result: dict[str, Any], model: Any) -> float:
     flops = forward_flops(model, result["prefill_tokens"] + result["decode_tokens"], 0, 0)
     t = result["forward_split_s"]["linears"]
     return flops / t / 1e9 if t > 0 else 0.0
+
+
+def run_floor(
+    result: dict[str, Any],
+    pcm: PrefixCachedModel,
+    clients: list[Client],
+    step_tokens: list[int],
+    forward_s: float,
+    wall: float,
+) -> dict[str, Any]:
+    """The run's floor (``_roofline.forward_floor``): its steps' linears at the linears' 2048^3 peak or one read of
+    their weights, prefill attention at that peak, its decoding tokens' K/V read once, both reads at a probe taken
+    now (1 GiB, median of 7); the time outside the forwards as measured. What the run would reach there, and the
+    floor's share of the forwards' ``forward_s``."""
+    decode_pairs = sum(c.decode_pairs for c in clients)
+    read = stream_gbs()["read"]
+    per_token = bytes_per_token(pcm.runtime.specs, next(pcm.model.parameters()).dtype)
+    floor = forward_floor(
+        pcm.model,
+        step_tokens,
+        sum(c.generated for c in clients),
+        sum(c.pairs for c in clients) - decode_pairs,
+        decode_pairs * per_token,
+        result["roofline"]["linear_gflops_large"],
+        read,
+    )
+    outside = wall - forward_s
+    return {
+        **floor,
+        "read_gbs": read,
+        "decode_kv_gb": decode_pairs * per_token / 1e9,
+        "forward_s": forward_s,
+        "floor_over_forward": floor["total_s"] / forward_s,
+        "outside_forward_s": outside,
+        "requests_per_s_at_floor": result["requests"] / (floor["total_s"] + outside),
+    }
 
 
 def main() -> None:
@@ -248,9 +288,13 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     t0, cpu0 = time.monotonic(), time.process_time()
     active = [c for c in clients if c.submit_next()]
     blocks = runs = 0  # the decoding requests' block tables after each step: blocks, and runs of consecutive ids
+    step_tokens: list[int] = []  # tokens each step computed (the floor prices each step's linears)
     while active:
         with pcm.lock:
+            before = engine.stats.step_tokens
             engine.step()
+            if engine.stats.step_tokens > before:
+                step_tokens.append(engine.stats.step_tokens - before)
             for req in engine.scheduler.running:
                 if req.computed >= len(req.prompt) and len(req.table) > 1:
                     blocks += len(req.table)
@@ -306,6 +350,7 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     roof = result["roofline"]
     roof["linears_gflops"] = achieved_linear_gflops(result, pcm.model)
     roof["linears_fraction_of_large_peak"] = roof["linears_gflops"] / roof["linear_gflops_large"]
+    result["floor"] = run_floor(result, pcm, clients, step_tokens, s.forward_s, wall)
     console = Console()
     console.print(
         f"{done} requests in {wall:.1f} s: {result['requests_per_s']:.2f} req/s; TTFT p50 {result['ttft_p50_ms']:.0f} "
@@ -329,6 +374,15 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         console.print(
             f"decoding rows' blocks: runs of {result['decode_block_run']:.1f} consecutive pool blocks on average"
         )
+    f = result["floor"]
+    console.print(
+        f"floor: linears {f['linears_s']:.1f} s ({f['steps_bound_by_weights']:.0f} steps bound by reading the weights) "
+        f"+ prefill attention {f['prefill_attention_s']:.1f} s at "
+        f"{result['roofline']['linear_gflops_large']:.0f} GFLOP/s, decoding K/V {f['decode_kv_gb']:.0f} GB at {f['read_gbs']:.1f} GB/s "
+        f"{f['decode_kv_s']:.1f} s = {f['total_s']:.1f} s against the forwards' {f['forward_s']:.1f} s "
+        f"({100 * f['floor_over_forward']:.0f}%); with the {f['outside_forward_s']:.1f} s outside them, "
+        f"{f['requests_per_s_at_floor']:.2f} req/s at the floor"
+    )
     r = result["roofline"]
     roof = Table(title="roofline: the forward's GFLOP/s against the engine's linears here (torch.mm's in brackets)")
     for col in (

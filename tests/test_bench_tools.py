@@ -33,6 +33,29 @@ def test_forward_flops_counts_linears_head_and_attention() -> None:
     assert _roofline.forward_flops(model, tokens=10, logit_rows=3, attention_pairs=55) == pytest.approx(expected)
 
 
+def test_forward_floor_prices_flops_at_the_peak_and_bytes_at_the_bandwidth() -> None:
+    """The floor, by hand: each step's linears at the peak or one read of the weights (the longer), the head's rows
+    and the prefill pairs at the peak, the decoding K/V at the bandwidth."""
+    model, _ = build_preset("tiny")
+    cfg = model.config
+    h, i, heads, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_hidden_layers
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    kv = cfg.num_key_value_heads * hd
+    per_layer = h * heads * hd + 2 * h * kv + heads * hd * h + 3 * h * i
+    weights_s = 4 * (layers * per_layer + h * cfg.vocab_size) / 3e9  # fp32 weights at 3 GB/s
+    token_s = 2 * layers * per_layer / 2e9  # one token through the linears at 2 GFLOP/s
+    assert token_s < weights_s < 10 * token_s  # a step of 1 token is bound by the weights, one of 10 by the FLOPs
+    floor = _roofline.forward_floor(model, [10, 1], 3, 55, 6_000_000_000, peak_gflops=2.0, read_gbs=3.0)
+    head_s = 2 * h * cfg.vocab_size * 3 / 2e9
+    assert floor["linears_s"] == pytest.approx(10 * token_s + weights_s + head_s)
+    assert floor["steps_bound_by_weights"] == 1
+    assert floor["prefill_attention_s"] == pytest.approx(4 * layers * heads * hd * 55 / 2e9)
+    assert floor["decode_kv_s"] == pytest.approx(2.0)
+    assert floor["total_s"] == pytest.approx(floor["linears_s"] + floor["prefill_attention_s"] + 2.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        _roofline.forward_floor(model, [10], 3, 55, 1, peak_gflops=2.0, read_gbs=0.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_rates_run_in_the_dtype(dtype: torch.dtype) -> None:
     """Both rate helpers time their shapes in the given dtype (the packed linears' small-row and oneDNN row counts)."""
@@ -247,6 +270,10 @@ def test_engine_steps_ab_writes_both_sides_and_their_ratio(tmp_path: Path) -> No
         assert d["requests"] == 4 and len(d["runs"]) == 1
         # the decoding rows' tables: runs of consecutive blocks, each at least 1 block and at most a whole table
         assert 1 <= d["decode_block_run"] <= -(-4096 // 16)
+        # the floor is a lower bound on the forwards' time, so the run cannot beat its rate at the floor
+        f = d["floor"]
+        assert 0 < f["floor_over_forward"] <= 1 and f["requests_per_s_at_floor"] >= d["requests_per_s"]
+        assert f["decode_kv_gb"] > 0 and "req/s at the floor" in done.stdout.replace("\n", " ")
         if ab:
             assert d["ab"] == ab and len(d["ab_runs"]) == 1
             want = d["runs"][0]["requests_per_s"] / d["ab_runs"][0]["requests_per_s"]

@@ -13,7 +13,10 @@ scheduling, the forward (and attention inside it), and what follows the forward 
 committing blocks); the rest of the wall time is this loop's own Python (chat templates, decoding replies). A
 roofline (``_roofline.py``) sets the forward's achieved GFLOP/s (FLOPs counted from the model's shapes, the tokens
 computed and the attention's (query, key) pairs) against the engine's own packed linears' GFLOP/s at the step's mean
-linear shapes and at 2048^3, torch.mm's beside them (JSON ``roofline``).
+linear shapes and at 2048^3, torch.mm's beside them (JSON ``roofline``), and a floor under the run (JSON ``floor``,
+``_roofline.forward_floor``): each step's linears at that 2048^3 peak or one read of every weight, the prompt tokens'
+attention at the peak, the decoding tokens' K/V read once at a read probe taken after the run, everything else free;
+with the run's time outside its forwards, the requests/s it would reach there.
 ``--workload agent`` plays serve_peers' agent sessions instead (its ``agent_sessions``: ``--chats`` sessions of the
 kv-cache-tester trace, up to ``--turns`` turns each, one user message per turn, replies of the trace's lengths capped
 at ``--max-tokens``), back to back: the trace's gaps are not slept here.

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
                                             [--block-size 16] [--runs 1] [--workload chat|agent]
-                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages]
+                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages|all-rows]
                                             [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
@@ -27,12 +27,15 @@ the whole workload is played N times, each on a fresh model and engine: the JSON
 memory (``engine.malloc``), as in ``prefixcache serve``. ``--ab X``: each run is followed by one without X, so
 its effect is a ratio from one run (JSON ``ab``, ``ab_runs``, ``this_over_ab``): ``plain-prefill``, the attention
 kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``; the same outputs, bit for bit);
-``no-huge-pages``, the KV pool and the small-row weights in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``).
+``no-huge-pages``, the KV pool and the small-row weights in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``);
+``all-rows``, the last layer's output projection and MLP over every row, not only the rows whose logits are kept
+(``PREFIXCACHE_LAST_ROWS=off``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -248,22 +251,34 @@ def plain_prefill() -> Iterator[None]:
 
 
 @contextmanager
-def no_huge_pages() -> Iterator[None]:
-    """Inside, new KV pools and packed weights stay in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``)."""
-    from engine import malloc
-
-    before = os.environ.get(malloc.HUGE_ENV)
-    os.environ[malloc.HUGE_ENV] = "off"
+def env_off(name: str) -> Iterator[None]:
+    """Inside, the environment variable ``name`` is ``off`` (new engines read it)."""
+    before = os.environ.get(name)
+    os.environ[name] = "off"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(malloc.HUGE_ENV)
+            os.environ.pop(name)
         else:
-            os.environ[malloc.HUGE_ENV] = before
+            os.environ[name] = before
 
 
-AB = {"plain-prefill": plain_prefill, "no-huge-pages": no_huge_pages}
+def no_huge_pages() -> contextlib.AbstractContextManager[None]:
+    """Inside, new KV pools and packed weights stay in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``)."""
+    from engine import malloc
+
+    return env_off(malloc.HUGE_ENV)
+
+
+def all_rows() -> contextlib.AbstractContextManager[None]:
+    """Inside, new engines' last layers compute every row (``PREFIXCACHE_LAST_ROWS=off``)."""
+    from engine.paged import last_rows
+
+    return env_off(last_rows.ENV)
+
+
+AB = {"plain-prefill": plain_prefill, "no-huge-pages": no_huge_pages, "all-rows": all_rows}
 
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:

@@ -281,3 +281,23 @@ def test_engine_steps_ab_writes_both_sides_and_their_ratio(tmp_path: Path) -> No
             assert "as built" in done.stdout and ab in done.stdout
         else:
             assert "ab" not in d and "this_over_ab" not in d
+
+
+def test_last_rows_bench_times_both_ways_and_compares_their_logits(tmp_path: Path) -> None:
+    """``bench_last_rows.py`` builds a step of decoding rows beside a prompt chunk, times it with the last layer over
+    the kept rows and over every row, and writes how far the two ways' logits differ."""
+    import json
+    import subprocess
+
+    out = tmp_path / "last_rows.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_last_rows.py"), "--model", "tiny", "--prefill", "5", "9"]
+    cmd += ["--decoding", "3", "--context", "40", "--rounds", "2", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["dtype"], r["prefill"]) for r in results] == [(d, p) for d in ("float32", "bfloat16") for p in (5, 9)]
+    for r in results:
+        assert r["rows"] == 3 + r["prefill"] and r["kept"] == 4
+        assert len(r["kept_rows_runs_ms"]) == len(r["all_rows_runs_ms"]) == 2
+        assert r["all_over_kept"] == pytest.approx(r["all_rows_ms"] / r["kept_rows_ms"])
+        assert r["greedy_same"] and r["max_logit_diff"] < (1e-4 if r["dtype"] == "float32" else 3e-2)

@@ -29,6 +29,7 @@ from engine.hybrid.recurrent import Segment
 from engine.hybrid.states import StatePool
 from engine.kv_pool import KVPool
 from engine.paged.attention import ATTENTION_NAME, PagedKV, Row, StepBatch, paged_attention, use_batch
+from engine.paged.last_rows import LastLayerRows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -54,6 +55,8 @@ class PagedRunner:
         params = inspect.signature(type(model).forward).parameters
         self._keep_param = "logits_to_keep" in params
         self._configs = _attention_configs(model)
+        # the last layer's output projection and MLP at the kept positions only (needs the logits kept by index)
+        self.last_rows = LastLayerRows(model) if self._keep_param else None
 
     def batch(self, rows: list[Row]) -> StepBatch:
         """The ``StepBatch`` of ``rows`` on this runner's pool."""
@@ -79,7 +82,10 @@ class PagedRunner:
             states: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         else:
             states = recurrent.segments(self.states, list(segments), self._num_layers)
-        with torch.inference_mode(), use_batch(batch), self._switched(), states:
+        last: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.last_rows is not None:
+            last = self.last_rows.active(at, ids.shape[1])
+        with torch.inference_mode(), use_batch(batch), self._switched(), states, last:
             out = self.model(input_ids=ids, position_ids=batch.positions.unsqueeze(0), use_cache=True, **kwargs)
         logits: torch.Tensor = out.logits[0]
         return logits if self._keep_param else logits[at]
@@ -157,7 +163,8 @@ def probe_difference(
 ) -> float:
     """Max |logit difference| between the paged path (the probe prompt in two chunks, KV in ``blocks`` of the
     pool, which the caller owns and may find overwritten; a hybrid model's state in slot ``slot`` of ``states``)
-    and one plain forward, relative to the logits' scale."""
+    and one plain forward, relative to the logits' scale. The first chunk takes logits at every position, the second
+    at its last only (the last layer then computes that row alone: ``LastLayerRows``)."""
     bs = pool.block_size
     n = min(len(blocks) * bs, 2 * bs + 3)
     gen = torch.Generator().manual_seed(seed)
@@ -168,9 +175,10 @@ def probe_difference(
     first = runner.batch([Row(0, cut, cut, blocks)])
     got_a = runner.forward(first, ids[:cut], torch.arange(cut), [Segment(0, cut, slot, False)])
     second = runner.batch([Row(0, n - cut, n, blocks)])
-    got_b = runner.forward(second, ids[cut:], torch.arange(n - cut), [Segment(0, n - cut, slot, True)])
+    got_b = runner.forward(second, ids[cut:], torch.tensor([n - cut - 1]), [Segment(0, n - cut, slot, True)])
     got = torch.cat([got_a, got_b]).float()
     with torch.inference_mode():
         ref = model(input_ids=ids.unsqueeze(0).to(model.device)).logits[0].float().cpu()
+    ref = torch.cat([ref[:cut], ref[n - 1 :]])
     got = got.cpu()
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1.0))

@@ -61,14 +61,19 @@ def test_kept_rows_match_the_bare_model(arch: str, dtype: torch.dtype) -> None:
     assert not layer.self_attn.o_proj._forward_hooks and not layer.self_attn.o_proj._forward_pre_hooks
 
 
-def test_the_kv_of_pruned_rows_is_written() -> None:
+@pytest.mark.parametrize("first_keep", [[9], []])
+def test_the_kv_of_pruned_rows_is_written(first_keep: list[int]) -> None:
     """The rows the last layer skips still write their keys and values: a later chunk reading them gives the bare
-    model's logits."""
+    model's logits. A first chunk with no logits kept (a middle chunk of a prompt) computes no row of the MLP."""
     model = tiny_model("llama")
     runner = _runner(model)
+    mlp_rows, h = _rows_seen(model.get_decoder().layers[-1].mlp)
     ids = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(2))
     blocks = list(range(4))
-    runner.forward(runner.batch([Row(0, 10, 10, blocks)]), ids[0, :10], torch.tensor([9]))  # one row of 10 kept
+    keep = torch.tensor(first_keep, dtype=torch.long)
+    runner.forward(runner.batch([Row(0, 10, 10, blocks)]), ids[0, :10], keep)
+    h.remove()
+    assert mlp_rows == [len(first_keep)]
     got = runner.forward(runner.batch([Row(0, 4, 14, blocks)]), ids[0, 10:], torch.tensor([3])).float()
     with torch.inference_mode():
         want = model(input_ids=ids).logits[0, -1:].float()

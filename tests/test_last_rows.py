@@ -29,7 +29,7 @@ def _rows_seen(module: torch.nn.Module) -> tuple[list[int], object]:
     return seen, handle
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "mistral_window", "gemma2", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kept_rows_match_the_bare_model(arch: str, dtype: torch.dtype) -> None:
     model = tiny_model(arch, dtype=dtype)

@@ -10,10 +10,10 @@ head drops them). On the ``small`` preset (12 layers, MLP of 4x the width) that 
 FLOPs; on a deeper model, a smaller share.
 
 Only code we know is changed. It applies when the last layer's class has a ``forward`` whose source sha256 is in
-``KNOWN_LAYER`` (transformers 5's ``LlamaDecoderLayer``, which Qwen2/3, Mistral, SmolLM3, Starcoder2 and others copy:
-attention, residual add, norm, MLP, residual add, each row on its own after the attention), its ``mlp`` a module whose
-``forward`` source is in ``KNOWN_MLP`` (``LlamaMLP``'s gated MLP, row by row; not a mixture of experts) and its
-``self_attn.o_proj`` an ``nn.Linear``. Anything else computes every row. The kept rows' values are what the full
+``KNOWN_LAYER`` (transformers 5's ``LlamaDecoderLayer``, which Qwen2/3, Mistral, SmolLM3, Starcoder2 and others copy,
+and the Gemma 2/3, Olmo 2, Granite, Phi-3 and Cohere 2 layers: after the attention, norms, residual adds and the MLP,
+each row on its own), its ``mlp`` a module whose ``forward`` source is in ``KNOWN_MLP`` (the gated MLPs, row by row;
+not a mixture of experts) and its ``self_attn.o_proj`` an ``nn.Linear``. Anything else computes every row. The kept rows' values are what the full
 layer computes, up to the rounding of a matmul over fewer rows (the engine's linears already vary with a step's row
 count); the engine's probe forward checks the pruned path against the model's own logits at creation.
 ``PREFIXCACHE_LAST_ROWS=off`` has every layer compute every row.
@@ -30,8 +30,20 @@ import torch
 
 from engine.paged.fused import source_hash
 
-KNOWN_LAYER = {"c58bc6a3bd6504f8": "LlamaDecoderLayer.forward (transformers 5.x)"}
-KNOWN_MLP = {"b4e9c2637c7f1172": "LlamaMLP.forward (transformers 5.x)"}
+# decoder layers whose every op after the attention is row by row (norms, residual adds, scalings, eval dropout)
+KNOWN_LAYER = {
+    "c58bc6a3bd6504f8": "LlamaDecoderLayer.forward (transformers 5.x; Qwen2/3, Mistral, SmolLM3, Starcoder2 copy it)",
+    "9673c4b49cacf62c": "Gemma2DecoderLayer.forward (transformers 5.x)",
+    "f0e376e682386ca6": "Gemma3DecoderLayer.forward (transformers 5.x)",
+    "a45c365aeaaff297": "Olmo2DecoderLayer.forward (transformers 5.x)",
+    "661e8ff1339ae507": "GraniteDecoderLayer.forward (transformers 5.x)",
+    "95f20d9c7c28dda8": "Phi3DecoderLayer.forward (transformers 5.x)",
+    "26ae051f5e0fbc06": "Cohere2DecoderLayer.forward (transformers 5.x: attention and MLP side by side)",
+}
+KNOWN_MLP = {
+    "b4e9c2637c7f1172": "LlamaMLP.forward (transformers 5.x; Gemma, Qwen, Mistral, Olmo, Granite, Cohere copy it)",
+    "82162c293daca80b": "Phi3MLP.forward (transformers 5.x: gate and up in one projection)",
+}
 ENV = "PREFIXCACHE_LAST_ROWS"
 
 

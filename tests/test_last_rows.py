@@ -147,3 +147,30 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     runner.forward(runner.batch([Row(0, 6, 6, [0, 1])]), ids, torch.tensor([5]))
     h.remove()
     assert mlp_rows == [6]
+
+
+@pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-vlm", "tiny-swa"])
+def test_presets_prune_and_stay_exact(preset: str) -> None:
+    """The hybrid (Qwen3.5), image-text (Qwen2.5-VL) and sliding-window (Gemma 3) presets' last layers are known code:
+    the engine computes their MLP over the kept rows only, and its greedy tokens are the bare model's."""
+    from engine import PrefixCachedModel
+
+    pcm = PrefixCachedModel.from_pretrained(preset, max_cached_tokens=2048)
+    engine = pcm.engine()
+    assert engine is not None and engine.runner.last_rows is not None
+    assert engine.runner.last_rows.reason is None
+    model = pcm.model
+    mlp_rows, h = _rows_seen(model.get_decoder().layers[-1].mlp)
+    g = torch.Generator().manual_seed(5)
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    prompts = [torch.randint(3, min(vocab, 250), (n,), generator=g).tolist() for n in (40, 23)]
+    try:
+        outs = pcm.generate_batch(prompts, max_new_tokens=6, do_sample=False)
+    finally:
+        h.remove()
+    assert mlp_rows[0] <= len(prompts)  # the first step (the prompts) computed the MLP at its kept rows only
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :].tolist()
+        got = outs[f"req_{i}"]
+        assert got.error is None and got.generated_tokens == want

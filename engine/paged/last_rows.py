@@ -11,9 +11,10 @@ FLOPs; on a deeper model, a smaller share.
 
 Only code we know is changed. It applies when the last layer's class has a ``forward`` whose source sha256 is in
 ``KNOWN_LAYER`` (transformers 5's ``LlamaDecoderLayer``, which Qwen2/3, Mistral, SmolLM3, Starcoder2 and others copy,
-and the Gemma 2/3, Olmo 2, Granite, Phi-3 and Cohere 2 layers: after the attention, norms, residual adds and the MLP,
-each row on its own), its ``mlp`` a module whose ``forward`` source is in ``KNOWN_MLP`` (the gated MLPs, row by row;
-not a mixture of experts) and its ``self_attn.o_proj`` an ``nn.Linear``. Anything else computes every row. The kept rows' values are what the full
+and the Gemma 2/3, Olmo 2, Granite, Phi-3, Cohere 2, GLM-4, Qwen2-VL/2.5-VL, Qwen3-VL and Qwen3.5 layers: after the
+attention, norms, residual adds and the MLP, each row on its own), its ``mlp`` a module whose ``forward`` source is in
+``KNOWN_MLP`` (the gated MLPs, row by row; not a mixture of experts) and its ``self_attn.o_proj`` an ``nn.Linear`` (a
+hybrid model whose last layer is a recurrent one has none: it computes every row). Anything else computes every row. The kept rows' values are what the full
 layer computes, up to the rounding of a matmul over fewer rows (the engine's linears already vary with a step's row
 count); the engine's probe forward checks the pruned path against the model's own logits at creation.
 ``PREFIXCACHE_LAST_ROWS=off`` has every layer compute every row.
@@ -39,6 +40,10 @@ KNOWN_LAYER = {
     "661e8ff1339ae507": "GraniteDecoderLayer.forward (transformers 5.x)",
     "95f20d9c7c28dda8": "Phi3DecoderLayer.forward (transformers 5.x)",
     "26ae051f5e0fbc06": "Cohere2DecoderLayer.forward (transformers 5.x: attention and MLP side by side)",
+    "5b609b4137f8e53b": "Glm4DecoderLayer.forward (transformers 5.x)",
+    "b1ee6a0058c68013": "Qwen2_5_VLDecoderLayer.forward (transformers 5.x; Qwen2-VL copies it)",
+    "2be177747195d497": "Qwen3VLTextDecoderLayer.forward (transformers 5.x)",
+    "5d0f621dd6d60c6f": "Qwen3_5DecoderLayer.forward (transformers 5.x: a linear-attention or an attention mixer)",
 }
 KNOWN_MLP = {
     "b4e9c2637c7f1172": "LlamaMLP.forward (transformers 5.x; Gemma, Qwen, Mistral, Olmo, Granite, Cohere copy it)",

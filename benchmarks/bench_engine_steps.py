@@ -162,12 +162,13 @@ def run_floor(
     decode_pairs = sum(c.decode_pairs for c in clients)
     read = stream_gbs()["read"]
     per_token = bytes_per_token(pcm.runtime.specs, next(pcm.model.parameters()).dtype)
+    decode_kv_bytes = decode_pairs * per_token
     floor = forward_floor(
         pcm.model,
         step_tokens,
         sum(c.generated for c in clients),
         sum(c.pairs for c in clients) - decode_pairs,
-        decode_pairs * per_token,
+        decode_kv_bytes,
         result["roofline"]["linear_gflops_large"],
         read,
     )
@@ -175,7 +176,7 @@ def run_floor(
     return {
         **floor,
         "read_gbs": read,
-        "decode_kv_gb": decode_pairs * per_token / 1e9,
+        "decode_kv_gb": decode_kv_bytes / 1e9,
         "forward_s": forward_s,
         "floor_over_forward": floor["total_s"] / forward_s,
         "outside_forward_s": outside,

@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from collections.abc import Callable
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -81,10 +82,17 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     length = (address + nbytes - start) // HUGE_PAGE * HUGE_PAGE
     if length <= 0 or os.uname().sysname != "Linux":
         return False
+    madvise = _madvise()
+    return madvise is not None and madvise(start, length, MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """The C library's ``madvise`` with its argument types set (once), or None without a C library."""
     libc = _libc()
     if libc is None:
-        return False
+        return None
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    return bool(madvise(start, length, MADV_HUGEPAGE) == 0)
+    return madvise

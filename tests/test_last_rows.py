@@ -174,3 +174,27 @@ def test_presets_prune_and_stay_exact(preset: str) -> None:
             want = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :].tolist()
         got = outs[f"req_{i}"]
         assert got.error is None and got.generated_tokens == want
+
+
+def test_another_threads_call_computes_every_row() -> None:
+    """While a forward has the last layer pruned, a call of its MLP from another thread (the model used elsewhere)
+    computes every row of its input, and the pruned forward still gets its kept rows back at full size."""
+    import threading
+
+    model = tiny_model("llama")
+    rows = LastLayerRows(model)
+    mlp = rows.mlp
+    assert mlp is not None
+    x = torch.randn(1, 6, 32)
+    keep = torch.tensor([1, 4])
+    got: list[torch.Tensor] = []
+    with torch.inference_mode(), rows.active(keep, 6):
+        worker = threading.Thread(target=lambda: got.append(mlp(x)))
+        worker.start()
+        worker.join()
+        mine = mlp(x)
+    with torch.inference_mode():
+        want = mlp(x)
+    torch.testing.assert_close(got[0], want)  # the other thread: every row
+    assert mine.shape == want.shape and not mine[0, [0, 2, 3, 5]].any()  # this one: kept rows only, zeros elsewhere
+    torch.testing.assert_close(mine[0, keep], want[0, keep], atol=1e-6, rtol=0)

@@ -14,15 +14,17 @@ Only code we know is changed. It applies when the last layer's class has a ``for
 and the Gemma 2/3, Olmo 2, Granite, Phi-3, Cohere 2, GLM-4, Qwen2-VL/2.5-VL, Qwen3-VL and Qwen3.5 layers: after the
 attention, norms, residual adds and the MLP, each row on its own), its ``mlp`` a module whose ``forward`` source is in
 ``KNOWN_MLP`` (the gated MLPs, row by row; not a mixture of experts) and its ``self_attn.o_proj`` an ``nn.Linear`` (a
-hybrid model whose last layer is a recurrent one has none: it computes every row). Anything else computes every row. The kept rows' values are what the full
-layer computes, up to the rounding of a matmul over fewer rows (the engine's linears already vary with a step's row
-count); the engine's probe forward checks the pruned path against the model's own logits at creation.
+hybrid model whose last layer is a recurrent one has none). Anything else computes every row, and so does a call of
+those modules from another thread meanwhile. The kept rows' values are what the full layer computes, up to the
+rounding of a matmul over fewer rows (the engine's linears already vary with a step's row count); the engine's probe
+forward checks the pruned path against the model's own logits at creation.
 ``PREFIXCACHE_LAST_ROWS=off`` has every layer compute every row.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -96,15 +98,22 @@ class LastLayerRows:
             yield
             return
 
+        owner = threading.get_ident()
+        sliced: set[int] = set()  # the modules whose input this forward sliced (their output goes back to full size)
+
         def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            x = args[0]
-            if not (isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[:2] == (1, tokens)):
-                return None  # not the shape this forward was set up for: the module computes every row
+            x = args[0] if args else None
+            if threading.get_ident() != owner or not (
+                isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[:2] == (1, tokens)
+            ):
+                return None  # another thread's call, or not the shape this forward was set up for: every row
+            sliced.add(id(module))
             return (x.index_select(1, keep), *args[1:])
 
         def post(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-            if not (isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[1] == keep.numel() < tokens):
+            if id(module) not in sliced:
                 return None
+            sliced.discard(id(module))
             full = out.new_zeros((1, tokens, out.shape[2]))
             return full.index_copy_(1, keep, out)
 

@@ -16,7 +16,6 @@ Writes JSON (``benchmarks/results/last_rows.json``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -69,11 +68,7 @@ def measure(args: argparse.Namespace, dtype_name: str) -> list[dict[str, Any]]:
 
         def step(last: Any) -> tuple[float, torch.Tensor]:
             runner.last_rows = last
-            with contextlib.ExitStack() as fast:
-                if engine.linears is not None:
-                    fast.enter_context(engine.linears.active(several_rows=True))
-                if engine.fused is not None:
-                    fast.enter_context(engine.fused.active())
+            with engine.fast_paths(several_rows=True):
                 t0 = time.perf_counter()
                 logits = runner.forward(batch, ids, keep)
                 return time.perf_counter() - t0, logits.float()

@@ -28,6 +28,8 @@ import functools
 import os
 from collections.abc import Callable
 
+from engine.switches import switched_off
+
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: the largest value it accepts
@@ -76,7 +78,7 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
 
     Why: the KV pool is read in blocks scattered over hundreds of MB (a block of one head is 4 KiB in fp32, a 4 KiB
     page), so with 4 KiB pages nearly every block a decoding row reads misses the TLB."""
-    if os.environ.get(HUGE_ENV, "").strip().lower() in ("0", "off", "no", "false"):
+    if switched_off(HUGE_ENV):
         return False
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
     length = (address + nbytes - start) // HUGE_PAGE * HUGE_PAGE

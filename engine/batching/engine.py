@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,13 +221,21 @@ class Engine:
         device = self.pool.device
         idx = torch.tensor(at, dtype=torch.long)
         tokens = torch.tensor(ids, dtype=torch.long, device=device)
-        with contextlib.ExitStack() as fast:
-            if self.linears is not None:  # a lone sequence keeps oneDNN: nn.Linear's bits
-                fast.enter_context(self.linears.active(several_rows=len(rows) > 1))
-            if self.fused is not None:
-                fast.enter_context(self.fused.active())
+        with self.fast_paths(several_rows=len(rows) > 1):
             logits = self.runner.forward(batch, tokens, idx, segments)
         return logits.float(), spans, batch.attention_s
+
+    @contextlib.contextmanager
+    def fast_paths(self, *, several_rows: bool) -> Iterator[None]:
+        """Inside, the model runs as a step's forward does: its linears packed (``several_rows``: a step of several
+        sequences, which may take the small-row kernel; a lone sequence keeps oneDNN, nn.Linear's bits) and its fusable
+        ops fused. The model is as it was on exit."""
+        with contextlib.ExitStack() as fast:
+            if self.linears is not None:
+                fast.enter_context(self.linears.active(several_rows=several_rows))
+            if self.fused is not None:
+                fast.enter_context(self.fused.active())
+            yield
 
     def _advance(self, plan: Plan, logits: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
         """After the forward: move each request on, score, sample, stream, cache new full blocks, finish. A request

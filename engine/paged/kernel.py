@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from engine.switches import switched_off
+
 SOURCE = Path(__file__).with_name("_paged_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-fopenmp")
 FUSED_SOURCE = Path(__file__).with_name("_fused_ops.c")
@@ -113,7 +115,7 @@ def _load(
             return _state[name][0]
         lib: ctypes.CDLL | None = None
         reason: str | None = None
-        if os.environ.get("PREFIXCACHE_KERNEL", "").lower() in ("0", "off", "no", "false"):
+        if switched_off("PREFIXCACHE_KERNEL"):
             reason = "PREFIXCACHE_KERNEL=off"
         else:
             key = hashlib.sha256(source.read_bytes() + repr(flags).encode() + _cpu_tag().encode()).hexdigest()[:16]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from engine.paged.fused import source_hash
+from engine.switches import switched_off
 
 # decoder layers whose every op after the attention is row by row (norms, residual adds, scalings, eval dropout)
 KNOWN_LAYER = {
@@ -74,7 +75,7 @@ class LastLayerRows:
         self.mlp: torch.nn.Module | None = None
         self.o_proj: torch.nn.Module | None = None
         layer, self.reason = last_layer(model)
-        if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "false"):
+        if switched_off(ENV):
             self.reason = f"turned off ({ENV}={os.environ[ENV]})"
             return
         if layer is None:

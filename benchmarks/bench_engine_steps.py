@@ -16,7 +16,9 @@ computed and the attention's (query, key) pairs) against the engine's own packed
 linear shapes and at 2048^3, torch.mm's beside them (JSON ``roofline``), and a floor under the run (JSON ``floor``,
 ``_roofline.forward_floor``): each step's linears at that 2048^3 peak or one read of every weight, the prompt tokens'
 attention at the peak, the decoding tokens' K/V read once at a read probe taken after the run, everything else free;
-with the run's time outside its forwards, the requests/s it would reach there.
+with the run's time outside its forwards, the requests/s it would reach there. JSON ``above_floor`` sets the
+forwards' parts beside the floor's: the linears, the attention kernel's prefill and decode paths (``EngineStats``'
+``prefill_path_s`` / ``_flops``, ``decode_path_s`` / ``_bytes``: their GFLOP/s and GB/s in place), the rest.
 ``--workload agent`` plays serve_peers' agent sessions instead (its ``agent_sessions``: ``--chats`` sessions of the
 kv-cache-tester trace, up to ``--turns`` turns each, one user message per turn, replies of the trace's lengths capped
 at ``--max-tokens``), back to back: the trace's gaps are not slept here.
@@ -181,6 +183,34 @@ def run_floor(
         "floor_over_forward": floor["total_s"] / forward_s,
         "outside_forward_s": outside,
         "requests_per_s_at_floor": result["requests"] / (floor["total_s"] + outside),
+    }
+
+
+def above_floor(result: dict[str, Any], s: Any) -> dict[str, dict[str, float | None]]:
+    """The forwards' seconds part by part beside the floor's (``run_floor``): the linears; the C kernel's prefill
+    path (its GFLOP/s in place, of the linears' 2048^3 peak the floor prices prompt attention at) and decode path (its
+    GB/s of cached K/V, of the read probe); the rest of attention (rows on the torch path, such as a prompt alone in
+    its step, and the calls' Python); the rest of the forward (norms, rotary, activations, K/V writes, Python), which
+    the floor counts as free. The floor's prompt attention includes the torch path's prompt rows."""
+    f, peak = result["floor"], result["roofline"]["linear_gflops_large"]
+    pf = s.prefill_path_flops / s.prefill_path_s / 1e9 if s.prefill_path_s else None
+    dec = s.decode_path_bytes / s.decode_path_s / 1e9 if s.decode_path_s else None
+    return {
+        "linears": {"s": s.linears_s, "floor_s": f["linears_s"]},
+        "prefill_path": {
+            "s": s.prefill_path_s,
+            "floor_s": f["prefill_attention_s"],
+            "gflops": pf,
+            "of_floor_rate": pf / peak if pf is not None else None,
+        },
+        "decode_path": {
+            "s": s.decode_path_s,
+            "floor_s": f["decode_kv_s"],
+            "gbs": dec,
+            "of_floor_rate": dec / f["read_gbs"] if dec is not None else None,
+        },
+        "attention_else": {"s": s.attention_s - s.prefill_path_s - s.decode_path_s, "floor_s": 0.0},
+        "rest_of_forward": {"s": s.forward_s - s.linears_s - s.attention_s, "floor_s": 0.0},
     }
 
 
@@ -370,6 +400,7 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     roof["linears_gflops"] = achieved_linear_gflops(result, pcm.model)
     roof["linears_fraction_of_large_peak"] = roof["linears_gflops"] / roof["linear_gflops_large"]
     result["floor"] = run_floor(result, pcm, clients, step_tokens, s.forward_s, wall)
+    result["above_floor"] = above_floor(result, s)
     console = Console()
     console.print(
         f"{done} requests in {wall:.1f} s: {result['requests_per_s']:.2f} req/s; TTFT p50 {result['ttft_p50_ms']:.0f} "
@@ -402,6 +433,19 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         f"({100 * f['floor_over_forward']:.0f}%); with the {f['outside_forward_s']:.1f} s outside them, "
         f"{f['requests_per_s_at_floor']:.2f} req/s at the floor"
     )
+    parts = Table(title="the forwards part by part against the floor (the kernel's paths at their rates in place)")
+    for col in ("part", "seconds", "floor, s", "rate in place", "of the floor's rate"):
+        parts.add_column(col, justify="left" if col == "part" else "right")
+    for part, v in result["above_floor"].items():
+        rate, unit = (v.get("gflops"), "GFLOP/s") if "gflops" in v else (v.get("gbs"), "GB/s")
+        parts.add_row(
+            part.replace("_", " "),
+            f"{v['s']:.1f}",
+            f"{v['floor_s']:.1f}",
+            f"{rate:.1f} {unit}" if rate is not None else "",
+            f"{100 * v['of_floor_rate']:.0f}%" if v.get("of_floor_rate") is not None else "",
+        )
+    console.print(parts)
     r = result["roofline"]
     roof = Table(title="roofline: the forward's GFLOP/s against the engine's linears here (torch.mm's in brackets)")
     for col in (

@@ -699,6 +699,10 @@ PC_COUNTERS = (
     "prefixcache_engine_schedule_seconds_total",
     "prefixcache_engine_forward_seconds_total",
     "prefixcache_engine_attention_seconds_total",
+    "prefixcache_engine_decode_path_seconds_total",
+    "prefixcache_engine_decode_path_bytes_total",
+    "prefixcache_engine_prefill_path_seconds_total",
+    "prefixcache_engine_prefill_path_flops_total",
     "prefixcache_engine_finish_seconds_total",
     "prefixcache_engine_between_steps_seconds_total",
     "prefixcache_engine_idle_seconds_total",
@@ -728,8 +732,25 @@ def engine_split(before: dict[str, float], after: dict[str, float], requests: in
     out = {k: d[k] for k in ("steps", "step_tokens", "prefill_tokens", "decode_tokens")}
     out["steps_per_request"] = d["steps"] / requests
     out["tokens_per_step"] = d["step_tokens"] / d["steps"]
-    for k in ("busy", "schedule", "forward", "attention", "finish", "between_steps", "idle"):
-        out[f"{k}_ms_per_request"] = 1000 * d[f"{k}_seconds"] / requests
+    for k in (
+        "busy",
+        "schedule",
+        "forward",
+        "attention",
+        "decode_path",
+        "prefill_path",
+        "finish",
+        "between_steps",
+        "idle",
+    ):
+        out[f"{k}_ms_per_request"] = 1000 * d.get(f"{k}_seconds", 0.0) / requests
+    # the C kernel's paths in place: the decode path's GB/s of cached K/V, the prefill path's GFLOP/s
+    out["decode_path_gbs"] = (
+        d.get("decode_path_bytes", 0.0) / d["decode_path_seconds"] / 1e9 if d.get("decode_path_seconds") else None
+    )
+    out["prefill_path_gflops"] = (
+        d.get("prefill_path_flops", 0.0) / d["prefill_path_seconds"] / 1e9 if d.get("prefill_path_seconds") else None
+    )
     out["forward_ms_per_step"] = 1000 * d["forward_seconds"] / d["steps"]
     return out
 

@@ -144,12 +144,17 @@ def shape_targets(shape: Shape, dtype: str) -> dict[str, float]:
 
 def engine_split(data: dict[str, Any], server: str) -> dict[str, float] | None:
     """prefixcache's engine counters over the measured rounds (serve_peers' ``engine`` per round): each field's
-    median over the closed rounds; None where no round has them (another server, an older JSON)."""
+    median over the closed rounds, where every round has it; None where no round has them (another server, an older
+    JSON)."""
     picked = [r.get("engine") for r in data.get("rows", []) if r.get("server") == server and r.get("phase") == "closed"]
     rounds = [e for e in picked if isinstance(e, dict)]
     if not rounds:
         return None
-    return {k: statistics.median(float(e[k]) for e in rounds) for k in rounds[0] if all(k in e for e in rounds)}
+    return {
+        k: statistics.median(float(e[k]) for e in rounds)
+        for k in rounds[0]
+        if all(e.get(k) is not None for e in rounds)  # a rate is None in a round without that path
+    }
 
 
 def _over(a: Any, b: Any) -> float | None:

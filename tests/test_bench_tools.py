@@ -114,12 +114,19 @@ def test_sweep_shapes_and_rows() -> None:
         "prefixcache_engine_step_tokens_total": 300.0,
         "prefixcache_engine_busy_seconds_total": 2.0,
         "prefixcache_engine_attention_seconds_total": 0.5,
+        "prefixcache_engine_decode_path_seconds_total": 0.25,
+        "prefixcache_engine_decode_path_bytes_total": 5e9,
     }
     split = serve_peers.engine_split(before, after, requests=4)
     assert split is not None and split["steps_per_request"] == 2.5 and split["tokens_per_step"] == 30.0
     assert split["busy_ms_per_request"] == 500.0 and split["attention_ms_per_request"] == 125.0
+    assert split["decode_path_gbs"] == pytest.approx(20.0) and split["prefill_path_gflops"] is None  # no prefill path
     assert serve_peers.engine_split(before, before, requests=4) is None  # no step ran
-    rounds = [{"phase": "closed", "server": "pc", "engine": {"steps": v}} for v in (3.0, 9.0, 4.0)]
+    rates = (None, 30.0, 40.0)  # a round whose steps took no prefill path has no rate: that field is left out
+    rounds = [
+        {"phase": "closed", "server": "pc", "engine": {"steps": v, "prefill_path_gflops": g}}
+        for v, g in zip((3.0, 9.0, 4.0), rates)
+    ]
     with_split = won | {"rows": [*rounds, {"phase": "closed", "server": "vllm2"}]}
     got = serve_sweep.shape_row(agent, with_split, ["pc", "vllm2"])
     assert got["servers"]["pc"]["engine"] == {"steps": 4.0} and "engine" not in got["servers"]["vllm2"]

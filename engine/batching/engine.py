@@ -38,7 +38,7 @@ from engine.batching.scheduler import Plan, Scheduler, SchedulerConfig
 from engine.hybrid.recurrent import Segment
 from engine.hybrid.store import HybridStates
 from engine.kv_pool import KVPool
-from engine.paged.attention import Row
+from engine.paged.attention import Row, StepBatch
 from engine.paged.runner import PagedRunner
 from engine.tier.kv_tier import KVTier
 from prefixcache.core.cache import PrefixCache
@@ -63,6 +63,12 @@ class EngineStats:
     schedule_s: float = 0.0  # planning: admission, matching, allocation, preemption
     forward_s: float = 0.0  # the model's forward (building the batch included)
     attention_s: float = 0.0  # of which: attention over the pool
+    # of attention: the C kernel's decode path (its seconds; the cached K/V bytes its queries read) and its prefill path
+    # (its seconds; the FLOPs it computed), the in-place rates bench_engine_steps sets against the run's floor
+    decode_path_s: float = 0.0
+    decode_path_bytes: int = 0
+    prefill_path_s: float = 0.0
+    prefill_path_flops: int = 0
     linears_s: float = 0.0  # of which: the packed linears (0 where the model's linears are not packed)
     finish_s: float = 0.0  # after the forward: scoring, sampling, streaming, caching blocks, finishing
     faults: int = 0  # requests failed by an exception in their part of a step (not counting the forward's)
@@ -170,7 +176,7 @@ class Engine:
         s.preemptions += len(plan.preempted)
         linears_before = self.linears.seconds if self.linears is not None else 0.0
         try:
-            logits, spans, attention_s = self._forward(plan)
+            logits, spans, batch = self._forward(plan)
         except Exception as exc:
             for req, _ in plan.work:
                 self._finish(req, "error", exc)
@@ -178,7 +184,11 @@ class Engine:
             return True
         forwarded = time.perf_counter()
         s.forward_s += forwarded - planned
-        s.attention_s += attention_s
+        s.attention_s += batch.attention_s
+        s.decode_path_s += batch.decode_path_s
+        s.decode_path_bytes += batch.decode_path_bytes
+        s.prefill_path_s += batch.prefill_path_s
+        s.prefill_path_flops += batch.prefill_path_flops
         if self.linears is not None:
             s.linears_s += self.linears.seconds - linears_before
         self._advance(plan, logits, spans)
@@ -192,9 +202,9 @@ class Engine:
         s.busy_s += time.perf_counter() - started
         return True
 
-    def _forward(self, plan: Plan) -> tuple[torch.Tensor, list[tuple[int, int, int]], float]:
+    def _forward(self, plan: Plan) -> tuple[torch.Tensor, list[tuple[int, int, int]], StepBatch]:
         """One forward of the plan; returns the logits asked for, per work item (first scored row, scored rows,
-        sampling row or -1), and the seconds spent in attention."""
+        sampling row or -1), and the step's batch (its attention timings)."""
         rows: list[Row] = []
         ids: list[int] = []
         at: list[int] = []
@@ -223,7 +233,7 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.long, device=device)
         with self.fast_paths(several_rows=len(rows) > 1):
             logits = self.runner.forward(batch, tokens, idx, segments)
-        return logits.float(), spans, batch.attention_s
+        return logits.float(), spans, batch
 
     @contextlib.contextmanager
     def fast_paths(self, *, several_rows: bool) -> Iterator[None]:

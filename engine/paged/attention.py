@@ -112,6 +112,12 @@ class StepBatch:
     prefill: KernelRows | None = None  # the prefill rows likewise
     layer: int = -1
     attention_s: float = 0.0  # seconds spent in paged_attention for this batch (all layers)
+    # of which, inside the C kernel's calls (all layers), and the work they did: the decode path's seconds and the
+    # cached K/V bytes its queries read (each query's keys once), the prefill path's seconds and FLOPs (q.k and p.v)
+    decode_path_s: float = 0.0
+    decode_path_bytes: int = 0
+    prefill_path_s: float = 0.0
+    prefill_path_flops: int = 0
     latent_out: torch.Tensor | None = None  # the last multi-head latent attention's output
     # a pool with window layers (``KVPool.window_layers``): their slots for the new tokens, and per row the slots
     # of its blocks (a block without one reads zeros: out of every new token's window)
@@ -193,6 +199,20 @@ class StepBatch:
             long = [i for i in self.prefill_rows if self.rows[i].q_len > KERNEL_MAX_QUERIES]
             self._capped = (short, long, KernelRows.of(self, short))
         return self._capped
+
+    def pairs(self, which: Sequence[int], window: int) -> int:
+        """(query, key) pairs that rows ``which`` attend: each new token over the keys up to it (within ``window``)."""
+        n = 0
+        for i in which:
+            r = self.rows[i]
+            first = r.kv_len - r.q_len  # keys before the row's first new token
+            if window <= 0:
+                n += r.q_len * first + r.q_len * (r.q_len + 1) // 2
+            else:  # the query at position p sees min(p + 1, window) keys: x = p + 1 over [first + 1, kv_len]
+                lo, hi = first + 1, min(r.kv_len, window)
+                n += (lo + hi) * (hi - lo + 1) // 2 if hi >= lo else 0
+                n += window * max(0, r.kv_len - max(first, window))
+        return n
 
     def windowed(self, layer: int) -> bool:
         """Whether pool layer ``layer`` is a window layer (read and written through window slots)."""
@@ -430,6 +450,7 @@ def _kernel_attention(
             ctypes.c_void_p(res.data_ptr()),
             threads,
         ]
+        t0 = time.perf_counter()
         if prefill:
             scratch = _scratch(threads * int(lib.paged_prefill_scratch(q.shape[2], KERNEL_SPLIT)))
             rc = (lib.paged_prefill_bf16 if bf16 else lib.paged_prefill_f32)(
@@ -437,10 +458,18 @@ def _kernel_attention(
             )
         else:
             rc = (lib.paged_attention_bf16 if bf16 else lib.paged_attention_f32)(*args)
+        took = time.perf_counter() - t0
         if rc != 0:  # shapes beyond the kernel's limits: the torch path for these rows
             fallback += which
+            continue
+        done += which
+        pairs = b.pairs(which, window)
+        if prefill:
+            b.prefill_path_s += took
+            b.prefill_path_flops += 4 * pairs * q.shape[1] * q.shape[2]
         else:
-            done += which
+            b.decode_path_s += took
+            b.decode_path_bytes += 2 * pairs * hkv * q.shape[2] * kpool.element_size()
     if res is not out:  # float32 results of these rows into the output's dtype (nearest even)
         if len(done) == len(b.rows):  # every row (a step's usual case): one copy, not one per row
             out.copy_(res)

@@ -49,6 +49,20 @@ _REPLICA_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("prefixcache_engine_forward_seconds", "counter", "Of which: the model's forward", "forward_s"),
     ("prefixcache_engine_attention_seconds", "counter", "Of the forward: attention over the pool", "attention_s"),
     ("prefixcache_engine_linears_seconds", "counter", "Of the forward: the packed linear layers", "linears_s"),
+    ("prefixcache_engine_decode_path_seconds", "counter", "Of attention: the C kernel's decode path", "decode_path_s"),
+    (
+        "prefixcache_engine_decode_path_bytes",
+        "counter",
+        "Cached K/V bytes the decode path's queries read (each query's keys once)",
+        "decode_path_bytes",
+    ),
+    (
+        "prefixcache_engine_prefill_path_seconds",
+        "counter",
+        "Of attention: the C kernel's prefill path",
+        "prefill_path_s",
+    ),
+    ("prefixcache_engine_prefill_path_flops", "counter", "FLOPs the prefill path computed", "prefill_path_flops"),
     ("prefixcache_engine_finish_seconds", "counter", "Of which: sampling, streaming, caching blocks", "finish_s"),
     (
         "prefixcache_engine_between_steps_seconds",

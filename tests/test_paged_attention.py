@@ -240,24 +240,33 @@ def test_prefetch_distance_changes_no_output(dtype):
         assert outs[0].isfinite().all() and outs[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_tunings_change_no_output(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "defines", "dim"),
+    [
+        (torch.float32, kernel.PREFILL_PLAIN, 64),
+        (torch.bfloat16, kernel.PREFILL_PLAIN, 64),
+        (torch.float32, ("PF_NQ_F32=1",), 64),
+        (torch.float32, ("PF_NQ_F32=1",), 128),
+    ],
+)
+def test_prefill_tunings_change_no_output(dtype, defines, dim):
     """The prefill path computes a tile of at most 16 queries in one 16-lane half, asks for keys and values ahead
     of its reads, runs a group of tiles split by split, reads a block's keys at constant offsets and weights values
     in blocks of keys (``PF_HALF``, ``PF_PREFETCH``, ``PF_GROUP``, ``PF_CONTIG``, ``PF_PVB``); built without them all
     (``load_variant``, as ``bench_agent_attention.py`` times it) it computes the same bits: rows of 4-300 new tokens
     (one half tile, one full tile, a full and a half one, several, two groups of tiles) over scattered blocks,
-    grouped-query heads, with and without a sliding window whose first key lies inside a block. The float64
-    reference checks of the default build are the hypothesis tests above."""
+    grouped-query heads, with and without a sliding window whose first key lies inside a block. Likewise fp32's
+    values weighted for 6 queries at a time (3 at head dim 128) and the rest in pairs (``PF_NQ_F32``) against one
+    query at a time. The float64 reference checks of the default build are the hypothesis tests above."""
     import ctypes
 
-    lib, plain = kernel.load(), kernel.load_variant(*kernel.PREFILL_PLAIN)
+    lib, plain = kernel.load(), kernel.load_variant(*defines)
     if lib is None or plain is None:
         pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
     if not kernel.prefill_available(lib, dtype):
         pytest.skip(f"the prefill path is not built here for {dtype}")
     gen = torch.Generator().manual_seed(1)
-    hkv, hq, dim, bs = 2, 4, 64, 16
+    hkv, hq, bs = 2, 4, 16
     q_lens, kv_lens = [4, 12, 16, 17, 40, 80, 300], [900, 60, 1300, 17, 700, 600, 1400]
     nb = -(-max(kv_lens) // bs)
     rows = len(q_lens)

@@ -23,11 +23,14 @@ def _gc(**extra) -> T.GenerationConfig:
     return T.GenerationConfig(pad_token_id=0, eos_token_id=None, bos_token_id=None, do_sample=False, **extra)
 
 
-def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: torch.device | str = "cpu"):
-    """A tiny random decoder of ``arch`` on ``device`` in eval mode with a no-eos greedy generation config."""
+def tiny_model(
+    arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: torch.device | str = "cpu", hidden: int = 32
+):
+    """A tiny random decoder of ``arch`` on ``device`` in eval mode with a no-eos greedy generation config; the
+    Llama-like ones with ``hidden`` (4 heads: head dim ``hidden // 4``)."""
     common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     llama_like = dict(
-        hidden_size=32,
+        hidden_size=hidden,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as T
-from engine_testutil import VOCAB, rand_tokens
+from engine_testutil import rand_tokens, tiny_model
 
 from engine import hf_cache
 from engine.batching.engine import Engine
@@ -24,29 +23,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def model(window: int | None) -> torch.nn.Module:
-    """A tiny random Llama (or Mistral with a sliding window) whose head dim (16) the prefill path takes."""
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    if window is None:
-        m = T.LlamaForCausalLM(T.LlamaConfig(**common))
-    else:
-        m = T.MistralForCausalLM(T.MistralConfig(sliding_window=window, **common))
-    return m.eval()
-
-
 def keys_seen(kv_len: int, q_len: int, window: int | None) -> int:
     """(query, key) pairs of a row's new tokens, one query at a time."""
     n = 0
@@ -55,9 +31,9 @@ def keys_seen(kv_len: int, q_len: int, window: int | None) -> int:
     return n
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window", [None, 6])  # tiny_model's Mistral has a sliding window of 6
 def test_path_counters_equal_a_count_over_every_query(window):
-    m = model(window)
+    m = tiny_model("llama" if window is None else "mistral_window", hidden=64)  # head dim 16, as the prefill path needs
     pool = KVPool(hf_cache.probe_specs(m), 64, 4, dtype=torch.float32, device="cpu")
     cache = PrefixCache(CacheConfig(num_blocks=64, block_size=4))
     engine = Engine(m, cache, pool, config=SchedulerConfig(max_chunk_tokens=12))
@@ -70,7 +46,8 @@ def test_path_counters_equal_a_count_over_every_query(window):
     while engine.step():
         engine.cache.check_integrity()
     cfg = m.config
-    hkv, hq, dim, layers = cfg.num_key_value_heads, cfg.num_attention_heads, 16, cfg.num_hidden_layers
+    hkv, hq, layers = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.num_hidden_layers
+    dim = cfg.hidden_size // hq
     dec_bytes = pf_flops = 0
     took_prefill = took_decode = False
     for b in batches:
@@ -86,5 +63,5 @@ def test_path_counters_equal_a_count_over_every_query(window):
     assert took_decode and took_prefill
     s = engine.stats
     assert s.decode_path_bytes == dec_bytes and s.prefill_path_flops == pf_flops
-    assert 0 < s.decode_path_s and 0 < s.prefill_path_s
+    assert s.decode_path_s > 0 and s.prefill_path_s > 0
     assert s.decode_path_s + s.prefill_path_s <= s.attention_s <= s.forward_s

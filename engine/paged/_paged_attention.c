@@ -295,7 +295,7 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
 #define PF_NQ 4        /* queries per PV group (bf16) */
 /* PF_NQ_F32: queries per float32 PV group, as many as keep its accumulators (queries x head dim / 16) within 24
  * registers (head dim 64: 6; 128: 3); with the rest in pairs. Each query sums its values in key order whatever its
- * group: the same bits (4 was the first choice: 256 new tokens over 1,400 keys, fp32, 12 layers, 3.11 -> 2.88 ms). */
+ * group: the same bits (4 was the first choice: 256 new tokens over 1,400 keys, fp32, 12 layers, 3.07 -> 2.85 ms). */
 #ifndef PF_NQ_F32
 #define PF_NQ_F32 6
 #endif

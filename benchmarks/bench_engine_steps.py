@@ -15,10 +15,11 @@ roofline (``_roofline.py``) sets the forward's achieved GFLOP/s (FLOPs counted f
 computed and the attention's (query, key) pairs) against the engine's own packed linears' GFLOP/s at the step's mean
 linear shapes and at 2048^3, torch.mm's beside them (JSON ``roofline``), and a floor under the run (JSON ``floor``,
 ``_roofline.forward_floor``): each step's linears at that 2048^3 peak or one read of every weight, the prompt tokens'
-attention at the peak, the decoding tokens' K/V read once at the better of read probes taken before and after the run, everything else free;
-with the run's time outside its forwards, the requests/s it would reach there. JSON ``above_floor`` sets the
-forwards' parts beside the floor's: the linears, the attention kernel's prefill and decode paths (``EngineStats``'
-``prefill_path_s`` / ``_flops``, ``decode_path_s`` / ``_bytes``: their GFLOP/s and GB/s in place), the rest.
+attention at the peak, the decoding tokens' K/V read once at the better of read probes taken before and after the
+run, everything else free; with the run's time outside its forwards, the requests/s it would reach there. JSON
+``above_floor`` sets the forwards' parts beside the floor's: the linears, the attention kernel's prefill and decode
+paths (``EngineStats``' ``prefill_path_s`` / ``_flops``, ``decode_path_s`` / ``_bytes``: their GFLOP/s and GB/s in
+place), the rest.
 ``--workload agent`` plays serve_peers' agent sessions instead (its ``agent_sessions``: ``--chats`` sessions of the
 kv-cache-tester trace, up to ``--turns`` turns each, one user message per turn, replies of the trace's lengths capped
 at ``--max-tokens``), back to back: the trace's gaps are not slept here.
@@ -435,7 +436,8 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     console.print(
         f"floor: linears {f['linears_s']:.1f} s ({f['steps_bound_by_weights']:.0f} steps bound by reading the weights) "
         f"+ prefill attention {f['prefill_attention_s']:.1f} s at "
-        f"{result['roofline']['linear_gflops_large']:.0f} GFLOP/s, decoding K/V {f['decode_kv_gb']:.0f} GB at {f['read_gbs']:.1f} GB/s "
+        f"{result['roofline']['linear_gflops_large']:.0f} GFLOP/s, decoding K/V {f['decode_kv_gb']:.0f} GB at "
+        f"{f['read_gbs']:.1f} GB/s "
         f"{f['decode_kv_s']:.1f} s = {f['total_s']:.1f} s against the forwards' {f['forward_s']:.1f} s "
         f"({100 * f['floor_over_forward']:.0f}%); with the {f['outside_forward_s']:.1f} s outside them, "
         f"{f['requests_per_s_at_floor']:.2f} req/s at the floor"

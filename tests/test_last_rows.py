@@ -198,3 +198,37 @@ def test_another_threads_call_computes_every_row() -> None:
     torch.testing.assert_close(got[0], want)  # the other thread: every row
     assert mine.shape == want.shape and not mine[0, [0, 2, 3, 5]].any()  # this one: kept rows only, zeros elsewhere
     torch.testing.assert_close(mine[0, keep], want[0, keep], atol=1e-6, rtol=0)
+
+
+def test_another_threads_call_inside_the_pruned_call_computes_every_row() -> None:
+    """The other thread's call of the MLP runs while this thread's pruned call of it is under way (its input sliced,
+    its output not yet scattered back): each gets its own rows back."""
+    import threading
+
+    model = tiny_model("llama")
+    rows = LastLayerRows(model)
+    mlp = rows.mlp
+    assert mlp is not None
+    x = torch.randn(1, 6, 32)
+    keep = torch.tensor([1, 4])
+    owner = threading.get_ident()
+    got: list[torch.Tensor] = []
+
+    def meanwhile(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if threading.get_ident() == owner:  # inside this thread's pruned MLP call: the other thread's whole call
+            worker = threading.Thread(target=lambda: got.append(mlp(x)))
+            worker.start()
+            worker.join()
+
+    hook = mlp.down_proj.register_forward_hook(meanwhile)
+    try:
+        with torch.inference_mode(), rows.active(keep, 6):
+            mine = mlp(x)
+    finally:
+        hook.remove()
+    with torch.inference_mode():
+        want = mlp(x)
+    assert len(got) == 1
+    torch.testing.assert_close(got[0], want)  # the other thread: every row
+    assert mine.shape == want.shape and not mine[0, [0, 2, 3, 5]].any()
+    torch.testing.assert_close(mine[0, keep], want[0, keep], atol=1e-6, rtol=0)

@@ -112,8 +112,8 @@ class LastLayerRows:
             return (x.index_select(1, keep), *args[1:])
 
         def post(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-            if id(module) not in sliced:
-                return None
+            if threading.get_ident() != owner or id(module) not in sliced:
+                return None  # another thread's call (this thread's may be under way), or one not sliced
             sliced.discard(id(module))
             full = out.new_zeros((1, tokens, out.shape[2]))
             return full.index_copy_(1, keep, out)

@@ -176,33 +176,12 @@ def test_presets_prune_and_stay_exact(preset: str) -> None:
         assert got.error is None and got.generated_tokens == want
 
 
-def test_another_threads_call_computes_every_row() -> None:
+@pytest.mark.parametrize("inside", [False, True])
+def test_another_threads_call_computes_every_row(inside: bool) -> None:
     """While a forward has the last layer pruned, a call of its MLP from another thread (the model used elsewhere)
-    computes every row of its input, and the pruned forward still gets its kept rows back at full size."""
-    import threading
-
-    model = tiny_model("llama")
-    rows = LastLayerRows(model)
-    mlp = rows.mlp
-    assert mlp is not None
-    x = torch.randn(1, 6, 32)
-    keep = torch.tensor([1, 4])
-    got: list[torch.Tensor] = []
-    with torch.inference_mode(), rows.active(keep, 6):
-        worker = threading.Thread(target=lambda: got.append(mlp(x)))
-        worker.start()
-        worker.join()
-        mine = mlp(x)
-    with torch.inference_mode():
-        want = mlp(x)
-    torch.testing.assert_close(got[0], want)  # the other thread: every row
-    assert mine.shape == want.shape and not mine[0, [0, 2, 3, 5]].any()  # this one: kept rows only, zeros elsewhere
-    torch.testing.assert_close(mine[0, keep], want[0, keep], atol=1e-6, rtol=0)
-
-
-def test_another_threads_call_inside_the_pruned_call_computes_every_row() -> None:
-    """The other thread's call of the MLP runs while this thread's pruned call of it is under way (its input sliced,
-    its output not yet scattered back): each gets its own rows back."""
+    computes every row of its input, and the pruned forward still gets its kept rows back at full size: the other
+    call before this thread's (``inside`` False), or while this thread's pruned call of the MLP is under way (its
+    input sliced, its output not yet scattered back)."""
     import threading
 
     model = tiny_model("llama")
@@ -214,21 +193,27 @@ def test_another_threads_call_inside_the_pruned_call_computes_every_row() -> Non
     owner = threading.get_ident()
     got: list[torch.Tensor] = []
 
-    def meanwhile(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-        if threading.get_ident() == owner:  # inside this thread's pruned MLP call: the other thread's whole call
-            worker = threading.Thread(target=lambda: got.append(mlp(x)))
-            worker.start()
-            worker.join()
+    def other_call() -> None:
+        worker = threading.Thread(target=lambda: got.append(mlp(x)))
+        worker.start()
+        worker.join()
 
-    hook = mlp.down_proj.register_forward_hook(meanwhile)
+    def meanwhile(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if threading.get_ident() == owner:  # inside this thread's pruned MLP call
+            other_call()
+
+    hook = mlp.down_proj.register_forward_hook(meanwhile) if inside else None
     try:
         with torch.inference_mode(), rows.active(keep, 6):
+            if not inside:
+                other_call()
             mine = mlp(x)
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
     with torch.inference_mode():
         want = mlp(x)
     assert len(got) == 1
     torch.testing.assert_close(got[0], want)  # the other thread: every row
-    assert mine.shape == want.shape and not mine[0, [0, 2, 3, 5]].any()
+    assert mine.shape == want.shape and not mine[0, [0, 2, 3, 5]].any()  # this one: kept rows only, zeros elsewhere
     torch.testing.assert_close(mine[0, keep], want[0, keep], atol=1e-6, rtol=0)

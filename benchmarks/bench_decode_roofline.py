@@ -13,8 +13,9 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth; and the step's parts:
   attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
   packed linears (``EngineStats.linears_s``) against the weights' bytes, and the rest (the modeling code's other ops,
-  sampling, bookkeeping); every other step runs its linears on oneDNN alone (no small-row kernel,
-  ``engine.paged.linear``), for the step and linear times both ways; and every linear of the model once over
+  sampling, bookkeeping); each step is followed by one with its linears on oneDNN alone (no small-row kernel,
+  ``engine.paged.linear``) and one with transformers' own decoder-layer forwards (``engine.paged.lean``
+  suspended), for the step, linear and rest times each way; and every linear of the model once over
   24 to 160 rows (a decode step with a short prefill chunk beside it: ``step_linears``), as a step runs them (the
   small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
@@ -62,13 +63,13 @@ from engine.paged import kernel, linear
 def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     """``--rows`` requests decoding together: the forward's seconds per decode step and the bytes it reads."""
     torch_dtype = getattr(torch, dtype)
-    tokens = args.rows * (args.context + args.steps + 64)
+    tokens = args.rows * (args.context + 3 * args.steps + 64)
     pcm = PrefixCachedModel.from_pretrained(args.model, dtype=torch_dtype, max_cached_tokens=tokens)
     model = pcm.model
     engine = pcm.runtime.engine()
     assert engine is not None, pcm.engine_unsupported_reason
     gen = torch.Generator().manual_seed(0)
-    new = 2 * args.steps + 4
+    new = 3 * args.steps + 4
     params = dataclasses.replace(  # every row decodes all its steps
         sampling_params(model.generation_config, {"max_new_tokens": new, "do_sample": False}, 0), ignore_eos=True
     )
@@ -86,6 +87,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         engine.step()  # one decode step of all rows as a warm-up
         times, whole, kv_tokens, attn, lin = [], [], [], [], []
         onednn: dict[str, list[float]] = {"step": [], "linears": []}
+        hf_layers: dict[str, list[float]] = {"step": [], "rest": []}
         for _ in range(args.steps):
             before, att0, lin0 = st.forward_s, st.attention_s, st.linears_s
             kv_tokens.append(sum(r.computed for r in reqs))
@@ -101,6 +103,11 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                     engine.step()
                 onednn["step"].append(st.forward_s - before)
                 onednn["linears"].append(st.linears_s - lin0)
+            with engine.runner.lean.suspended():  # and one with transformers' own layer forwards, interleaved
+                before, att0, lin0 = st.forward_s, st.attention_s, st.linears_s
+                engine.step()
+            hf_layers["step"].append(st.forward_s - before)
+            hf_layers["rest"].append(st.forward_s - before - (st.attention_s - att0) - (st.linears_s - lin0))
     step_lin = step_linears(engine.linears, model, torch_dtype) if engine.linears is not None else []
     per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
     moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]
@@ -134,6 +141,10 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         if onednn["linears"]
         else None,
         "step_linears": step_lin,
+        # the same steps with transformers' own decoder-layer forwards (engine.paged.lean suspended), interleaved
+        "lean_layers": len(engine.runner.lean.layers),
+        "hf_layers_step_ms": 1e3 * statistics.median(hf_layers["step"]),
+        "hf_layers_rest_ms": 1e3 * statistics.median(hf_layers["rest"]),
     }
 
 
@@ -355,6 +366,10 @@ def main() -> None:
                 f"  with oneDNN alone for the linears: step {r['onednn_step_ms']:.1f} ms, linears "
                 f"{r['onednn_linears_ms']:.1f} ms ({r['onednn_linears_fraction']:.0%} on the weights)"
             )
+        print(
+            f"  with transformers' own layer forwards ({r['lean_layers']} lean layers suspended): step "
+            f"{r['hf_layers_step_ms']:.1f} ms, the rest {r['hf_layers_rest_ms']:.1f} ms"
+        )
     payload = {
         "model": args.model,
         "bandwidth": bandwidth,

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
                                             [--block-size 16] [--runs 1] [--workload chat|agent]
-                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages|all-rows]
+                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages|all-rows|hf-layers]
                                             [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
@@ -32,7 +32,8 @@ its effect is a ratio from one run (JSON ``ab``, ``ab_runs``, ``this_over_ab``):
 kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``; the same outputs, bit for bit);
 ``no-huge-pages``, the KV pool and the small-row weights in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``);
 ``all-rows``, the last layer's output projection and MLP over every row, not only the rows whose logits are kept
-(``PREFIXCACHE_LAST_ROWS=off``).
+(``PREFIXCACHE_LAST_ROWS=off``); ``hf-layers``, transformers' own decoder-layer forwards instead of the lean ones
+(``PREFIXCACHE_LEAN_LAYERS=off``, ``engine.paged.lean``; the same bits).
 """
 
 from __future__ import annotations
@@ -315,7 +316,14 @@ def all_rows() -> contextlib.AbstractContextManager[None]:
     return env_off(last_rows.ENV)
 
 
-AB = {"plain-prefill": plain_prefill, "no-huge-pages": no_huge_pages, "all-rows": all_rows}
+def hf_layers() -> contextlib.AbstractContextManager[None]:
+    """Inside, new engines run transformers' own decoder-layer forwards (``PREFIXCACHE_LEAN_LAYERS=off``)."""
+    from engine.paged import lean
+
+    return env_off(lean.ENV)
+
+
+AB = {"plain-prefill": plain_prefill, "no-huge-pages": no_huge_pages, "all-rows": all_rows, "hf-layers": hf_layers}
 
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from engine.hybrid.states import StatePool
 from engine.kv_pool import KVPool
 from engine.paged.attention import ATTENTION_NAME, PagedKV, Row, StepBatch, paged_attention, use_batch
 from engine.paged.last_rows import LastLayerRows
+from engine.paged.lean import LeanLayers
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -57,6 +58,7 @@ class PagedRunner:
         self._configs = _attention_configs(model)
         # the last layer's output projection and MLP at the kept positions only (needs the logits kept by index)
         self.last_rows = LastLayerRows(model) if self._keep_param else None
+        self.lean = LeanLayers(model)  # known decoder layers as one function each (the same ops, less dispatch)
 
     def batch(self, rows: list[Row]) -> StepBatch:
         """The ``StepBatch`` of ``rows`` on this runner's pool."""
@@ -85,7 +87,7 @@ class PagedRunner:
         last: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.last_rows is not None:
             last = self.last_rows.active(at, ids.shape[1])
-        with torch.inference_mode(), use_batch(batch), self._switched(), states, last:
+        with torch.inference_mode(), use_batch(batch), self._switched(), states, last, self.lean.active():
             out = self.model(input_ids=ids, position_ids=batch.positions.unsqueeze(0), use_cache=True, **kwargs)
         logits: torch.Tensor = out.logits[0]
         return logits if self._keep_param else logits[at]

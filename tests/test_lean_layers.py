@@ -1,0 +1,131 @@
+"""Known decoder layers run as one function each (engine.paged.lean): the same bits as transformers' own forwards
+through the paged engine, hooks and unknown code left to the original forward."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from engine_testutil import VOCAB, tiny_model
+
+from engine import hf_cache
+from engine.kv_pool import KVPool
+from engine.paged import lean
+from engine.paged.attention import Row
+from engine.paged.runner import PagedRunner
+
+BS = 4
+
+
+def _runner(model: torch.nn.Module) -> PagedRunner:
+    pool = KVPool(hf_cache.probe_specs(model), 16, BS, dtype=model.dtype, device="cpu")
+    return PagedRunner(model, pool)
+
+
+def _steps(runner: PagedRunner, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Two prompts prefilled in one step, then three steps decoding both: each step's logits."""
+    a, b = list(range(0, 4)), list(range(4, 8))
+    flat = torch.cat([ids[0, :9], ids[1, :6]])
+    out = [runner.forward(runner.batch([Row(0, 9, 9, a), Row(9, 6, 6, b)]), flat, torch.tensor([8, 14]))]
+    for t in range(3):
+        rows = [Row(0, 1, 10 + t, a), Row(1, 1, 7 + t, b)]
+        step = torch.stack([ids[0, 9 + t], ids[1, 6 + t]])
+        out.append(runner.forward(runner.batch(rows), step, torch.tensor([0, 1])))
+    return out
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, cls: type, calls: list[torch.nn.Module]) -> None:
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", forward)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_layers_give_transformers_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    model = tiny_model("llama", dtype=dtype)
+    layers = model.get_decoder().layers
+    lean_runner = _runner(model)
+    assert lean_runner.lean.layers == list(layers) and not lean_runner.lean.reasons
+    monkeypatch.setenv(lean.ENV, "off")
+    plain_runner = _runner(model)
+    assert plain_runner.lean.layers == []
+    calls: list[torch.nn.Module] = []
+    _counting(monkeypatch, type(layers[0].mlp), calls)  # after both runners read the (known) source
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    got = _steps(lean_runner, ids)
+    # the first layer ran lean (its MLP module never called); the last one ran transformers' forward, because the
+    # last layer's row pruning hooks its MLP
+    assert layers[0].mlp not in calls and layers[-1].mlp in calls
+    calls.clear()
+    want = _steps(plain_runner, ids)
+    assert layers[0].mlp in calls
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert all("forward" not in m.__dict__ for m in layers)  # the model as it was
+
+
+def test_a_hooked_submodule_runs_the_original_forward() -> None:
+    model = tiny_model("llama")
+    runner = _runner(model)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = _steps(runner, ids)
+    hooked = _runner(model)
+    seen: list[int] = []
+    handle = (
+        model.get_decoder()
+        .layers[0]
+        .self_attn.q_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
+    )
+    try:
+        got = _steps(hooked, ids)
+    finally:
+        handle.remove()
+    assert seen == [15, 2, 2, 2]  # the hook saw every forward
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_with_gradients_the_mlp_does_not_work_in_place() -> None:
+    """Outside inference mode, with gradients, the lean forward computes what the model does and backpropagates
+    (SiLU in place would break autograd)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
+    want = model(input_ids=ids).logits
+    layers = lean.LeanLayers(model)
+    assert len(layers.layers) == 2
+    with layers.active():
+        assert all("forward" in m.__dict__ for m in layers.layers)
+        got = model(input_ids=ids).logits
+    got.sum().backward()
+    assert torch.equal(got, want)
+    assert model.get_decoder().layers[0].mlp.gate_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("arch", "why"),
+    [
+        ("qwen2", "Qwen2Attention.forward is not known code"),  # the layer and MLP are Llama's; the attention is not
+        ("phi3", "Phi3DecoderLayer.forward is not known code"),
+        ("gemma2", "Gemma2DecoderLayer.forward is not known code"),
+    ],
+)
+def test_unknown_code_keeps_its_forward(arch: str, why: str) -> None:
+    model = tiny_model(arch)
+    layers = lean.LeanLayers(model)
+    assert layers.layers == []
+    assert why in layers.reasons.values()
+
+
+def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(lean.ENV, "off")
+    model = tiny_model("llama")
+    layers = lean.LeanLayers(model)
+    assert layers.layers == [] and layers.reasons == {}
+    with layers.active():
+        assert all("forward" not in m.__dict__ for m in model.get_decoder().layers)

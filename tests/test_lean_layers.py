@@ -129,3 +129,37 @@ def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert layers.layers == [] and layers.reasons == {}
     with layers.active():
         assert all("forward" not in m.__dict__ for m in model.get_decoder().layers)
+
+
+def test_the_attention_function_gets_what_transformers_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention function (and the cache's update) see the same arguments from the lean forward as from
+    transformers' (position_ids and use_cache among them: an attention implementation may read them)."""
+    from transformers import AttentionInterface
+
+    from engine.paged.attention import ATTENTION_NAME
+
+    model = tiny_model("llama")
+    lean_runner = _runner(model)
+    monkeypatch.setenv(lean.ENV, "off")
+    plain_runner = _runner(model)
+    original = AttentionInterface._global_mapping[ATTENTION_NAME]
+    seen: list[tuple] = []
+
+    def recording(module, q, k, v, mask, **kwargs):
+        seen.append((module.layer_idx, q.shape, k.shape, mask, sorted(kwargs.items(), key=lambda kv: kv[0])))
+        return original(module, q, k, v, mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTENTION_NAME, recording)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    _steps(lean_runner, ids)
+    got, seen[:] = list(seen), []
+    _steps(plain_runner, ids)
+
+    def comparable(calls: list[tuple]) -> list[tuple]:
+        return [
+            (i, qs, ks, m, [(n, v.tolist() if isinstance(v, torch.Tensor) else v) for n, v in kw])
+            for i, qs, ks, m, kw in calls
+        ]
+
+    assert len(got) == 8 and comparable(got) == comparable(seen)
+    assert all("position_ids" in dict(kw) and "use_cache" in dict(kw) for *_, kw in got)

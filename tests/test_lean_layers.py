@@ -163,3 +163,22 @@ def test_the_attention_function_gets_what_transformers_passes(monkeypatch: pytes
 
     assert len(got) == 8 and comparable(got) == comparable(seen)
     assert all("position_ids" in dict(kw) and "use_cache" in dict(kw) for *_, kw in got)
+
+
+def test_a_replaced_submodule_is_the_one_that_runs() -> None:
+    """A projection replaced after the engine was made (as a LoRA adapter's layer replaces one) is the one the
+    forward computes with: the lean forward, made for the old one, leaves the call to transformers' forward."""
+    model = tiny_model("llama")
+    runner = _runner(model)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    before = _steps(runner, ids)
+    attn = model.get_decoder().layers[0].self_attn
+    new = torch.nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(attn.q_proj.weight * 1.5)
+    attn.q_proj = new
+    got = _steps(_runner(model), ids)  # a fresh pool; the old runner's lean forwards hold the old projection
+    want = _steps(runner, ids)
+    for g, w, b in zip(got, want, before):
+        assert torch.equal(w, g)
+        assert not torch.equal(w, b)  # the new projection changed the logits

@@ -14,8 +14,8 @@ Only code we know is replaced: a layer whose class's ``forward`` source (sha256,
 classes; Qwen2 and Mistral copy the layer and MLP, not the attention), with the attributes that code reads, a SiLU
 activation of a known class, and an attention not kernelized (the ``kernels`` package's per-model functions
 unreplaced). At call time the original forward runs instead when any submodule has hooks (``LastLayerRows`` prunes
-the last layer through hooks) or global module hooks exist, in training mode, or for an argument the lean forward
-does not take. ``PREFIXCACHE_LEAN_LAYERS=off`` keeps transformers' forwards everywhere.
+the last layer through hooks) or global module hooks exist, when a submodule was replaced since (a LoRA layer over a
+projection), in training mode, or for an argument the lean forward does not take. ``PREFIXCACHE_LEAN_LAYERS=off`` keeps transformers' forwards everywhere.
 """
 
 from __future__ import annotations
@@ -107,6 +107,15 @@ def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
     q_proj, k_proj, v_proj, o_proj = (getattr(attn, n) for n in _ATTENTION_PARTS)
     gate_proj, up_proj, down_proj, act = (getattr(mlp, n) for n in _MLP_PARTS)
     parts = (attn, mlp, norm1, norm2, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, act)
+    # where each part hangs: a part replaced since (a LoRA layer over a projection, another MLP) is not the one this
+    # function would call, so the original forward runs
+    wiring = tuple(
+        (owner._modules, name, child)
+        for owner, names in ((layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
+                             (attn, _ATTENTION_PARTS), (mlp, _MLP_PARTS))
+        for name in names
+        for child in (owner._modules[name],)
+    )  # fmt: skip
     home = sys.modules[type(attn).__module__]
     head_dim, layer_idx = attn.head_dim, attn.layer_idx
 
@@ -126,6 +135,7 @@ def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
             or "past_key_values" in kwargs
             or _global_hooks()
             or any(_hooked(m) for m in parts)
+            or any(modules.get(name) is not child for modules, name, child in wiring)
         ):
             return original(  # type: ignore[no-any-return]
                 hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,

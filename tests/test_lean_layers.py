@@ -46,9 +46,10 @@ def _counting(monkeypatch: pytest.MonkeyPatch, cls: type, calls: list[torch.nn.M
     monkeypatch.setattr(cls, "forward", forward)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lean_layers_give_transformers_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    model = tiny_model("llama", dtype=dtype)
+def test_lean_layers_give_transformers_bits(monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype) -> None:
+    model = tiny_model(arch, dtype=dtype)
     layers = model.get_decoder().layers
     lean_runner = _runner(model)
     assert lean_runner.lean.layers == list(layers) and not lean_runner.lean.reasons
@@ -110,13 +111,22 @@ def test_with_gradients_the_mlp_does_not_work_in_place() -> None:
 @pytest.mark.parametrize(
     ("arch", "why"),
     [
-        ("qwen2", "Qwen2Attention.forward is not known code"),  # the layer and MLP are Llama's; the attention is not
         ("phi3", "Phi3DecoderLayer.forward is not known code"),
         ("gemma2", "Gemma2DecoderLayer.forward is not known code"),
+        ("llama", "OtherAttention.forward is not known code"),  # Llama's layer and MLP, an attention of other code
     ],
 )
 def test_unknown_code_keeps_its_forward(arch: str, why: str) -> None:
     model = tiny_model(arch)
+    if arch == "llama":
+        attn_cls = type(model.get_decoder().layers[0].self_attn)
+
+        class OtherAttention(attn_cls):  # type: ignore[misc, valid-type]
+            def forward(self, *args, **kwargs):
+                return super().forward(*args, **kwargs)
+
+        for layer in model.get_decoder().layers:
+            layer.self_attn.__class__ = OtherAttention
     layers = lean.LeanLayers(model)
     assert layers.layers == []
     assert why in layers.reasons.values()
@@ -131,14 +141,16 @@ def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
         assert all("forward" not in m.__dict__ for m in model.get_decoder().layers)
 
 
-def test_the_attention_function_gets_what_transformers_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window"])
+def test_the_attention_function_gets_what_transformers_passes(monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """The attention function (and the cache's update) see the same arguments from the lean forward as from
-    transformers' (position_ids and use_cache among them: an attention implementation may read them)."""
+    transformers' (position_ids and use_cache among them, and the sliding window where the attention passes one:
+    an attention implementation may read them)."""
     from transformers import AttentionInterface
 
     from engine.paged.attention import ATTENTION_NAME
 
-    model = tiny_model("llama")
+    model = tiny_model(arch)
     lean_runner = _runner(model)
     monkeypatch.setenv(lean.ENV, "off")
     plain_runner = _runner(model)
@@ -163,6 +175,8 @@ def test_the_attention_function_gets_what_transformers_passes(monkeypatch: pytes
 
     assert len(got) == 8 and comparable(got) == comparable(seen)
     assert all("position_ids" in dict(kw) and "use_cache" in dict(kw) for *_, kw in got)
+    windows = {dict(kw).get("sliding_window", "none") for *_, kw in got}
+    assert windows == {"llama": {"none"}, "qwen2": {None}, "mistral_window": {6}}[arch]
 
 
 def test_a_replaced_submodule_is_the_one_that_runs() -> None:

@@ -11,11 +11,12 @@ in place on the gate projection's fresh output (torch's same kernels, no tempora
 
 Only code we know is replaced: a layer whose class's ``forward`` source (sha256, ``fused.source_hash``) is in
 ``KNOWN_LAYER``, its attention's in ``KNOWN_ATTENTION`` and its MLP's in ``KNOWN_MLP`` (transformers 5's Llama
-classes; Qwen2 and Mistral copy the layer and MLP, not the attention), with the attributes that code reads, a SiLU
-activation of a known class, and an attention not kernelized (the ``kernels`` package's per-model functions
-unreplaced). At call time the original forward runs instead when any submodule has hooks (``LastLayerRows`` prunes
-the last layer through hooks) or global module hooks exist, when a submodule was replaced since (a LoRA layer over a
-projection), in training mode, or for an argument the lean forward does not take. ``PREFIXCACHE_LEAN_LAYERS=off`` keeps transformers' forwards everywhere.
+classes, and the Qwen2 and Mistral attentions, Llama's with a sliding window; the layer and MLP are Llama's), with
+the attributes that code reads, a SiLU activation of a known class, and an attention not kernelized (the ``kernels``
+package's per-model functions unreplaced). At call time the original forward runs instead when any submodule has
+hooks (``LastLayerRows`` prunes the last layer through hooks) or global module hooks exist, when a submodule was
+replaced since (a LoRA layer over a projection), in training mode, or for an argument the lean forward does not
+take. ``PREFIXCACHE_LEAN_LAYERS=off`` keeps transformers' forwards everywhere.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ ENV = "PREFIXCACHE_LEAN_LAYERS"
 KNOWN_LAYER = {
     "c58bc6a3bd6504f8": "LlamaDecoderLayer.forward (transformers 5.x; Qwen2/3, Mistral, SmolLM3, Starcoder2 copy it)",
 }
-KNOWN_ATTENTION = {"15034ca19bd84245": "LlamaAttention.forward (transformers 5.x)"}
+# the attention's code: what it is, and the sliding window it passes the attention function (None: no argument;
+# "module": its own ``sliding_window``; "config": its config's, or None)
+KNOWN_ATTENTION = {
+    "15034ca19bd84245": ("LlamaAttention.forward (transformers 5.x)", None),
+    "19fc6c09f70ad662": ("Qwen2Attention.forward (transformers 5.x: Llama's with the module's window)", "module"),
+    "4f9a18cc72b246aa": ("MistralAttention.forward (transformers 5.x: Llama's with the config's window)", "config"),
+}
 KNOWN_MLP = {"b4e9c2637c7f1172": "LlamaMLP.forward (transformers 5.x; Gemma, Qwen, Mistral, Olmo copy it)"}
 KNOWN_SILU = {"daf20c34b63e8994": "SiLUActivation.forward (transformers 5.x)"}
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -72,8 +79,11 @@ def lean_reason(layer: torch.nn.Module) -> str | None:
     if not all(isinstance(m, torch.nn.Module) for m in (attn, mlp, *norms)):
         return "no self_attn, mlp and norms"
     assert attn is not None and mlp is not None
-    if source_hash(type(attn).forward) not in KNOWN_ATTENTION:
+    known = KNOWN_ATTENTION.get(source_hash(type(attn).forward) or "")
+    if known is None:
         return f"{type(attn).__name__}.forward is not known code"
+    if known[1] == "module" and not hasattr(attn, "sliding_window"):
+        return "the attention lacks its sliding_window"
     if source_hash(type(mlp).forward) not in KNOWN_MLP:
         return f"{type(mlp).__name__}.forward is not known code"
     if not all(isinstance(getattr(attn, n, None), torch.nn.Module) for n in _ATTENTION_PARTS):
@@ -118,6 +128,7 @@ def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
     )  # fmt: skip
     home = sys.modules[type(attn).__module__]
     head_dim, layer_idx = attn.head_dim, attn.layer_idx
+    window = KNOWN_ATTENTION[source_hash(type(attn).forward) or ""][1]
 
     def forward(
         hidden_states: torch.Tensor,
@@ -157,6 +168,10 @@ def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
         interface = home.ALL_ATTENTION_FUNCTIONS.get_interface(
             attn.config._attn_implementation, home.eager_attention_forward
         )
+        if window == "module":
+            kwargs = {"sliding_window": attn.sliding_window, **kwargs}
+        elif window == "config":
+            kwargs = {"sliding_window": getattr(attn.config, "sliding_window", None), **kwargs}
         out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
         out = o_proj.forward(out.reshape(*input_shape, -1).contiguous())
         hidden_states = residual + out

@@ -168,11 +168,12 @@ def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
         interface = home.ALL_ATTENTION_FUNCTIONS.get_interface(
             attn.config._attn_implementation, home.eager_attention_forward
         )
+        extra: dict[str, Any] = {}  # passed as transformers passes it: a second sliding_window raises, as there
         if window == "module":
-            kwargs = {"sliding_window": attn.sliding_window, **kwargs}
+            extra["sliding_window"] = attn.sliding_window
         elif window == "config":
-            kwargs = {"sliding_window": getattr(attn.config, "sliding_window", None), **kwargs}
-        out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+            extra["sliding_window"] = getattr(attn.config, "sliding_window", None)
+        out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **extra, **kwargs)
         out = o_proj.forward(out.reshape(*input_shape, -1).contiguous())
         hidden_states = residual + out
         # LlamaMLP.forward: down(act(gate(x)) * up(x)); SiLU and the product in place on gate's fresh output

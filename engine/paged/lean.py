@@ -3,7 +3,7 @@
 transformers runs a decoder layer as a tree of module calls (the layer, its attention and MLP, their linears, norms
 and activation), each through ``nn.Module.__call__``, with wrappers around some forwards (deprecated-argument
 renaming, the ``kernels`` package's routing). On a decode step that dispatch is a fixed cost per layer however few
-rows the step has: on the ``small`` preset (12 layers, 8 rows decoding over 1,024 tokens) 0.4-0.7 ms of an 18-27 ms
+rows the step has: on the ``small`` preset (12 layers, 8 rows decoding over 1,024 tokens) 0.1-0.6 ms of an 18-33 ms
 step, timed with steps alternating within one process (``bench_decode_roofline.py``'s ``hf_layers_*``).
 ``LeanLayers(model).active()`` gives each decoder layer whose code is known a forward that runs the same ops in
 the same order, calling its submodules' ``forward`` directly: the same bits. Its MLP applies SiLU and the product

@@ -19,13 +19,14 @@ bandwidth, everything else free.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from engine.paged.linear import PackedLinears, linears
+from engine.paged.linear import PackedLinears, linears, onednn_refuses
 
 
 def linear_shapes(model: Any) -> tuple[list[tuple[int, int]], int]:
@@ -66,13 +67,14 @@ def mm_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2, dtype: tor
 
 def linear_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2, dtype: torch.dtype = torch.float32) -> float:
     """GFLOP/s of the engine's packed linears (``PackedLinears``, as a forward uses them) over ``shapes`` (m, k, n):
-    ``m`` rows of ``k`` inputs into ``n`` outputs, in ``dtype``, each run for at least ``min_s`` after a warm-up."""
+    ``m`` rows of ``k`` inputs into ``n`` outputs, in ``dtype``, each run for at least ``min_s`` after a warm-up.
+    Where oneDNN cannot pack ``dtype`` here (bf16 without AVX-512), ``nn.Linear`` as the engine then runs it."""
     flops = seconds = 0.0
     for m, k, n in shapes:
         layer = torch.nn.Linear(k, n, bias=False).to(dtype)
-        packed = PackedLinears(layer)
+        packed = PackedLinears(layer).active() if onednn_refuses(dtype) is None else contextlib.nullcontext()
         x = torch.randn(m, k).to(dtype)
-        with torch.inference_mode(), packed.active():
+        with torch.inference_mode(), packed:
             layer(x)
             reps, t0 = 0, time.perf_counter()
             while (elapsed := time.perf_counter() - t0) < min_s:

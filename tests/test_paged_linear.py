@@ -26,6 +26,15 @@ def _model(kind: str):
     return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
 
 
+
+def _small_f32_or_skip() -> None:
+    """Skips the test where the small-row kernel has no float32 build here (no AVX2 and FMA, nor AVX-512)."""
+    from engine.paged import kernel
+
+    lib = kernel.load_small_linear()
+    if lib is None or not int(lib.small_linear_available()) & 1:
+        pytest.skip(f"no float32 small-row kernel here: {kernel.unavailable_reason('small_linear')}")
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_packed_forward_gives_the_models_logits(kind):
     model = _model(kind)
@@ -142,10 +151,7 @@ def test_small_row_kernel_against_float64_and_onednn(dtype, monkeypatch):
 
 
 def test_small_row_kernel_leaves_shapes_it_does_not_take_to_onednn():
-    from engine.paged import kernel
-
-    if kernel.load_small_linear() is None:
-        pytest.skip(kernel.unavailable_reason("small_linear"))
+    _small_f32_or_skip()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 32)).eval()  # 40 outputs: not 16k
     packed = linear.PackedLinears(net)
@@ -161,10 +167,7 @@ def test_small_row_kernel_leaves_shapes_it_does_not_take_to_onednn():
 
 
 def test_onednn_only_turns_the_small_row_kernel_off_for_a_block(monkeypatch):
-    from engine.paged import kernel
-
-    if kernel.load_small_linear() is None:
-        pytest.skip(kernel.unavailable_reason("small_linear"))
+    _small_f32_or_skip()
     torch.manual_seed(0)
     net = torch.nn.Linear(32, 32).eval()
     packed, onednn = linear.PackedLinears(net), linear.PackedLinears(net, small_rows=False)
@@ -187,3 +190,39 @@ def test_onednn_only_turns_the_small_row_kernel_off_for_a_block(monkeypatch):
     assert torch.equal(got, want) and packed.small_rows == 1  # restored after the block
     assert torch.equal(again, small)
     assert (small - want).abs().max() < 1e-4  # the same linear either way, by another order of sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_refuses_exactly_where_packing_raises(dtype):
+    """``onednn_refuses`` is None where oneDNN packs and runs a linear of ``dtype`` here (a real pack, not the
+    probe's), else it says why: on a CPU without AVX-512 oneDNN's bf16 packing raises."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(32, 48).to(dtype), linear.PACK_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.randn(3, 48).to(dtype), w, None, "none", [], "")
+        packs = True
+    except RuntimeError:
+        packs = False
+    why = linear.onednn_refuses(dtype)
+    assert (why is None) == packs
+    assert why is None or str(dtype) in why
+
+
+def test_engine_keeps_nn_linear_where_onednn_refuses(monkeypatch):
+    """Where oneDNN cannot pack the model's dtype, the engine runs with the model's own ``nn.Linear``s (no packed
+    copy, no error) and its greedy tokens are the bare model's."""
+    from engine import PrefixCachedModel
+    from tests.engine_testutil import tiny_model
+
+    monkeypatch.setattr(linear, "onednn_refuses", lambda dtype: "oneDNN cannot pack (test)")
+    model = tiny_model("llama")
+    assert linear.available(model) == "oneDNN cannot pack (test)"
+    pcm = PrefixCachedModel(model, max_cached_tokens=512)
+    engine = pcm.engine()
+    assert engine is not None and pcm.runtime._packed() is None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (21, 9)]
+    outs = pcm.generate_batch(prompts, max_new_tokens=5, do_sample=False)
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p) :].tolist()
+        assert outs[f"req_{i}"].error is None and outs[f"req_{i}"].generated_tokens == want

@@ -19,6 +19,7 @@ prefill chunk beside it) it also beat oneDNN's packed matmul over weights stream
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,6 +49,19 @@ def available(model: PreTrainedModel) -> str | None:
         return "this torch build has no oneDNN"
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # pragma: no cover - old torch
         return "this torch has no mkldnn._linear_pointwise"
+    return onednn_refuses(model.dtype)
+
+
+@functools.cache
+def onednn_refuses(dtype: torch.dtype) -> str | None:
+    """None when oneDNN packs and runs a ``dtype`` linear on this CPU, else its error: its bf16 path needs
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT (on an AVX2-only CPU packing raises, and the model keeps ``nn.Linear``).
+    Tried once per dtype on a 16 x 16 weight."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError as exc:
+        return f"oneDNN cannot pack {dtype} linears on this CPU ({str(exc).splitlines()[0][:160]})"
     return None
 
 

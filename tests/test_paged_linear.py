@@ -26,7 +26,6 @@ def _model(kind: str):
     return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
 
 
-
 def _small_f32_or_skip() -> None:
     """Skips the test where the small-row kernel has no float32 build here (no AVX2 and FMA, nor AVX-512)."""
     from engine.paged import kernel
@@ -34,6 +33,7 @@ def _small_f32_or_skip() -> None:
     lib = kernel.load_small_linear()
     if lib is None or not int(lib.small_linear_available()) & 1:
         pytest.skip(f"no float32 small-row kernel here: {kernel.unavailable_reason('small_linear')}")
+
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_packed_forward_gives_the_models_logits(kind):

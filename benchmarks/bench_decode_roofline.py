@@ -154,7 +154,7 @@ def step_linears(packed: linear.PackedLinears, model: torch.nn.Module, dtype: to
     sequences runs them (the small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn: the
     medians of 9 passes each, ms."""
     mods = linear.linears(model)
-    most = linear.SMALL_ROWS[dtype][1]
+    most = linear.small_rows_range(kernel.load_small_linear(), dtype)[1]
     found = []
     for rows in sorted({24, 48, most, most + 8, 160}):
         xs = [torch.randn(rows, m.in_features).to(dtype) for m in mods]

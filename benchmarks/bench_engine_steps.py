@@ -2,7 +2,7 @@
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
                                             [--block-size 16] [--runs 1] [--workload chat|agent]
-                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages|all-rows|hf-layers]
+                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages|all-rows|hf-layers|onednn-linears]
                                             [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
@@ -33,7 +33,8 @@ kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``; the s
 ``no-huge-pages``, the KV pool and the small-row weights in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``);
 ``all-rows``, the last layer's output projection and MLP over every row, not only the rows whose logits are kept
 (``PREFIXCACHE_LAST_ROWS=off``); ``hf-layers``, transformers' own decoder-layer forwards instead of the lean ones
-(``PREFIXCACHE_LEAN_LAYERS=off``, ``engine.paged.lean``; the same bits).
+(``PREFIXCACHE_LEAN_LAYERS=off``, ``engine.paged.lean``; the same bits); ``onednn-linears``, the packed linears on
+oneDNN at every row count (``linear.small_rows_range`` none: no small-row kernel).
 """
 
 from __future__ import annotations
@@ -323,7 +324,26 @@ def hf_layers() -> contextlib.AbstractContextManager[None]:
     return env_off(lean.ENV)
 
 
-AB = {"plain-prefill": plain_prefill, "no-huge-pages": no_huge_pages, "all-rows": all_rows, "hf-layers": hf_layers}
+@contextmanager
+def onednn_linears() -> Iterator[None]:
+    """Inside, new engines' packed linears compute every row count on oneDNN (no small-row kernel)."""
+    from engine.paged import linear
+
+    default = linear.small_rows_range
+    linear.small_rows_range = lambda lib, dtype: (0, -1)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        linear.small_rows_range = default  # type: ignore[assignment]
+
+
+AB = {
+    "plain-prefill": plain_prefill,
+    "no-huge-pages": no_huge_pages,
+    "all-rows": all_rows,
+    "hf-layers": hf_layers,
+    "onednn-linears": onednn_linears,
+}
 
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:

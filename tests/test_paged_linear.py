@@ -105,7 +105,7 @@ def test_row_counts_are_bucketed_and_padding_changes_nothing():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_row_kernel_against_float64_and_onednn(dtype, monkeypatch):
-    """Row counts in ``SMALL_ROWS`` go to the small-row kernel (past 16, in groups of 16 over each block of
+    """Row counts in ``small_rows_range`` go to the small-row kernel (in groups of 16 rows, 6 in its AVX2 build, over each block of
     outputs): its outputs are as close to a float64 reference as oneDNN's (the same sums in another order), bias
     included; other counts, and any count in a block entered with ``several_rows=False``, keep oneDNN's bits (one
     row: in bf16 nn.Linear's)."""
@@ -121,7 +121,7 @@ def test_small_row_kernel_against_float64_and_onednn(dtype, monkeypatch):
     onednn = linear.PackedLinears(net, small_rows=False)
     assert onednn.small_rows == 0
     eps = torch.finfo(dtype).eps
-    least, most = linear.SMALL_ROWS[dtype]
+    least, most = linear.small_rows_range(lib, dtype)
     calls = []
     kernel_call = linear.SmallPacked.__call__
     monkeypatch.setattr(linear.SmallPacked, "__call__", lambda self, rows: calls.append(1) or kernel_call(self, rows))

@@ -153,6 +153,32 @@ static inline __attribute__((always_inline)) void run_item(const job_t *j, int r
     }
 }
 
+/* Asks for the `bytes` bytes at `p` to be brought into cache (a block's keys or values, ahead of their reads: blocks
+ * lie anywhere in the pool, so the hardware's stream prefetch starts over at each one). __builtin_prefetch: GCC 12
+ * dropped _mm_prefetch from these loops. */
+#ifndef KV_AHEAD
+/* How many blocks ahead the decode path asks for a row's keys, across split boundaries. Against one block ahead
+ * within a split (8 rows x 1,024 tokens, bf16, one process, interleaved): blocks in order 0.38 -> 0.36 ms per layer,
+ * descending 0.57 -> 0.51, scattered 0.72 -> 0.63; 2 and 8 did about as well as 4; prefetching into L2 instead of
+ * L1 did not help. */
+#define KV_AHEAD 4
+#endif
+static inline void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
+/* At key p of an item reading keys lo .. last (p the first key of a block, or of a split): the values of p's block
+ * (read after the split's keys), and the keys KV_AHEAD blocks on (at lo, every block up to there); `el` bytes per
+ * element. Only asks the memory for lines: changes nothing computed. */
+static inline void prefetch_at(const job_t *j, const int32_t *table, int64_t head_base, int p, int lo, int last,
+                               int64_t el) {
+    const int64_t blk = (int64_t)j->bs * j->dim * el; /* one block of one head, bytes */
+    prefetch_bytes((const char *)j->vpool + key_at(j, table, head_base, p - p % j->bs) * el, blk);
+    const int b0 = p / j->bs, lb = last / j->bs;
+    for (int b = p == lo ? b0 + 1 : b0 + KV_AHEAD; b <= b0 + KV_AHEAD && b <= lb; b++)
+        prefetch_bytes((const char *)j->kpool + key_at(j, table, head_base, b * j->bs) * el, blk);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -179,32 +205,6 @@ static inline __m512 load16(const void *base, int64_t at, const int bf) {
     if (!bf) return _mm512_loadu_ps((const float *)base + at);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* Asks for the `bytes` bytes at `p` to be brought into cache (a block's keys or values, ahead of their reads: blocks
- * lie anywhere in the pool, so the hardware's stream prefetch starts over at each one). __builtin_prefetch: GCC 12
- * dropped _mm_prefetch from these loops. */
-#ifndef KV_AHEAD
-/* How many blocks ahead the decode path asks for a row's keys, across split boundaries. Against one block ahead
- * within a split (8 rows x 1,024 tokens, bf16, one process, interleaved): blocks in order 0.38 -> 0.36 ms per layer,
- * descending 0.57 -> 0.51, scattered 0.72 -> 0.63; 2 and 8 did about as well as 4; prefetching into L2 instead of
- * L1 did not help. */
-#define KV_AHEAD 4
-#endif
-static inline void prefetch_bytes(const void *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
-}
-
-/* At key p of an item reading keys lo .. last (p the first key of a block, or of a split): the values of p's block
- * (read after the split's keys), and the keys KV_AHEAD blocks on (at lo, every block up to there); `el` bytes per
- * element. Only asks the memory for lines: changes nothing computed. */
-static inline void prefetch_at(const job_t *j, const int32_t *table, int64_t head_base, int p, int lo, int last,
-                               int64_t el) {
-    const int64_t blk = (int64_t)j->bs * j->dim * el; /* one block of one head, bytes */
-    prefetch_bytes((const char *)j->vpool + key_at(j, table, head_base, p - p % j->bs) * el, blk);
-    const int b0 = p / j->bs, lb = last / j->bs;
-    for (int b = p == lo ? b0 + 1 : b0 + KV_AHEAD; b <= b0 + KV_AHEAD && b <= lb; b++)
-        prefetch_bytes((const char *)j->kpool + key_at(j, table, head_base, b * j->bs) * el, blk);
 }
 
 /* round_bf16 over 16 lanes. */
@@ -896,6 +896,134 @@ static inline __attribute__((always_inline)) void item_as(const job_t *j, int r,
         run_item16(j, r, g, 8, bf);
     else if (j->dim % 16 == 0)
         run_item16(j, r, g, j->dim / 16, bf);
+    else
+        run_item(j, r, g, bf);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* fast_exp over 8 lanes: fast_exp16's polynomial and rounding, 2^n applied through the exponent bits (as fast_exp). */
+static inline __m256 fast_exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* 8 elements of a pool side from element `at`, as floats. */
+static inline __m256 load8(const void *base, int64_t at, const int bf) {
+    if (!bf) return _mm256_loadu_ps((const float *)base + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 x) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+static inline float hmax8(__m256 x) {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* round_bf16 over 8 lanes. */
+static inline __m256 round_bf16_8(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* run_item16 with 8-lane vectors (AVX2 and FMA, no AVX-512), for head dims that are a multiple of 8 (nd = dim / 8
+ * vectors per key): the same online softmax over the same splits, keys and values addressed block by block, each
+ * key's score one vector dot reduced once, a split's exps 8 at a time (the lanes past the split's end zeroed). */
+static inline __attribute__((always_inline)) void run_item8(const job_t *j, int r, int g, const int nd, const int bf) {
+    const int D = j->dim, G = j->hq / j->hkv;
+    const int ql = j->q_len[r], kv = j->kv_len[r], qs = j->q_start[r], S = split_size(j, kv);
+    const int32_t *table = j->tables + (int64_t)r * j->table_stride;
+    const int64_t head_base = (int64_t)g * j->pool_blocks * j->bs * D;
+    float s[MAX_SPLIT + 8];
+    __m256 qv[MAX_DIM / 8], acc[MAX_DIM / 8];
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < ql; i++) {
+        const int pos = kv - ql + i;
+        const int lo = (j->window > 0 && pos - j->window + 1 > 0) ? pos - j->window + 1 : 0;
+        for (int hh = 0; hh < G; hh++) {
+            const int h = g * G + hh;
+            const float *qp = j->q + (int64_t)(qs + i) * j->q_st + (int64_t)h * j->q_sh;
+            for (int c = 0; c < nd; c++) {
+                qv[c] = _mm256_loadu_ps(qp + 8 * c);
+                acc[c] = _mm256_setzero_ps();
+            }
+            float m = -INFINITY, l = 0.0f;
+            for (int c0 = (lo / S) * S; c0 <= pos; c0 += S) {
+                const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < pos ? c0 + S - 1 : pos, n = c1 - a + 1;
+                for (int p = a; p <= c1;) { /* block by block: a block's keys lie D elements apart */
+                    const int end = p - p % j->bs + j->bs - 1 < c1 ? p - p % j->bs + j->bs - 1 : c1;
+                    prefetch_at(j, table, head_base, p, lo, pos, bf ? 2 : 4);
+                    for (int64_t at = key_at(j, table, head_base, p); p <= end; p++, at += D) {
+                        __m256 x = _mm256_mul_ps(qv[0], load8(j->kpool, at, bf));
+                        for (int c = 1; c < nd; c++) x = _mm256_fmadd_ps(qv[c], load8(j->kpool, at + 8 * c, bf), x);
+                        float sc = hsum8(x) * j->scale;
+                        if (j->softcap > 0.0f) sc = j->softcap * tanhf(sc / j->softcap);
+                        s[p - a] = sc;
+                    }
+                }
+                for (int t = n; t < n + 8; t++) s[t] = -INFINITY; /* the last vector's lanes past the split */
+                __m256 mx = _mm256_set1_ps(-INFINITY);
+                for (int t = 0; t < n; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+                const float bm = hmax8(mx);
+                if (bm > m) {
+                    const float c = fast_exp(m - bm);
+                    l *= c;
+                    for (int d = 0; d < nd; d++) acc[d] = _mm256_mul_ps(acc[d], _mm256_set1_ps(c));
+                    m = bm;
+                }
+                __m256 lsum = _mm256_setzero_ps();
+                for (int t = 0; t < n; t += 8) {
+                    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - t), iota));
+                    const __m256 e =
+                        _mm256_and_ps(live, fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m))));
+                    lsum = _mm256_add_ps(lsum, e);
+                    _mm256_storeu_ps(s + t, bf ? round_bf16_8(e) : e);
+                }
+                l += hsum8(lsum);
+                for (int p = a; p <= c1;) {
+                    const int end = p - p % j->bs + j->bs - 1 < c1 ? p - p % j->bs + j->bs - 1 : c1;
+                    for (int64_t at = key_at(j, table, head_base, p); p <= end; p++, at += D) {
+                        const __m256 w = _mm256_set1_ps(s[p - a]);
+                        for (int c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(w, load8(j->vpool, at + 8 * c, bf), acc[c]);
+                    }
+                }
+            }
+            float *o = j->out + ((int64_t)(qs + i) * j->hq + h) * D;
+            const __m256 inv = _mm256_set1_ps(1.0f / l);
+            for (int c = 0; c < nd; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void item_as(const job_t *j, int r, int g, const int bf) {
+    if (j->dim == 64)
+        run_item8(j, r, g, 8, bf); /* the common head dims, unrolled with their accumulators in registers */
+    else if (j->dim == 128)
+        run_item8(j, r, g, 16, bf);
+    else if (j->dim % 8 == 0)
+        run_item8(j, r, g, j->dim / 8, bf);
     else
         run_item(j, r, g, bf);
 }

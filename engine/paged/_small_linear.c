@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) /* 16-lane vectors; bfloat16 too where AVX512-BF16 is there */
 #include <immintrin.h>
 
 #define MAX_ROWS 16 /* rows whose accumulators one pass over a block keeps in registers */
@@ -108,7 +108,60 @@ int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp,
 
 int small_linear_available(void) { return 1 | (BF16_BUILT ? 2 : 0); }
 
-#else /* no AVX-512: the caller keeps oneDNN */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* AVX2: the same packing, each 64-byte line two 8-lane halves, so a row takes two accumulators and fewer rows fit in
+ * the 16 registers. Each output's sum is the same fmas in the same order as the AVX-512 build's: the same bits. */
+#define MAX_ROWS 6
+#define MAX_M 256
+#define PREFETCH 128
+
+static inline __attribute__((always_inline)) void block_f32(const float *x, int64_t ldx, const int M, const float *wp,
+                                                            int K, const float *bias, int nb, float *y, int64_t ldy) {
+    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
+    for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+    const float *w = wp + (int64_t)nb * K * 16;
+    for (int k = 0; k < K; k++) {
+        __builtin_prefetch(w + (int64_t)(k + PREFETCH) * 16, 0, 0);
+        const __m256 wl = _mm256_loadu_ps(w + (int64_t)k * 16), wh = _mm256_loadu_ps(w + (int64_t)k * 16 + 8);
+        for (int m = 0; m < M; m++) {
+            const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+            lo[m] = _mm256_fmadd_ps(xb, wl, lo[m]);
+            hi[m] = _mm256_fmadd_ps(xb, wh, hi[m]);
+        }
+    }
+    const __m256 bl = bias ? _mm256_loadu_ps(bias + nb * 16) : _mm256_setzero_ps();
+    const __m256 bh = bias ? _mm256_loadu_ps(bias + nb * 16 + 8) : _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        _mm256_storeu_ps(y + m * ldy + nb * 16, _mm256_add_ps(lo[m], bl));
+        _mm256_storeu_ps(y + m * ldy + nb * 16 + 8, _mm256_add_ps(hi[m], bh));
+    }
+}
+
+#define F32_CALL(MM) block_f32(x + (int64_t)g * ldx, ldx, MM, wp, K, bias, nb, y + (int64_t)g * ldy, ldy); break;
+
+int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,
+                     int64_t ldy, int threads) {
+    if (N % 16 || K < 1 || M < 1 || M > MAX_M) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int nb = 0; nb < N / 16; nb++)
+        for (int g = 0; g < M; g += MAX_ROWS) {
+            const int mm = M - g < MAX_ROWS ? M - g : MAX_ROWS;
+            switch (mm) {
+            case 1: F32_CALL(1) case 2: F32_CALL(2) case 3: F32_CALL(3) case 4: F32_CALL(4) case 5: F32_CALL(5)
+            default: F32_CALL(6)
+            }
+        }
+    return 0;
+}
+int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp, int N, int K, const float *bias,
+                      uint16_t *y, int64_t ldy, int threads) {
+    return -1; /* no AVX512-BF16: bf16 keeps the model's own linears */
+}
+int small_linear_available(void) { return 1 | 4; } /* 4: this AVX2 build (linear.AVX2_BUILD) */
+
+#else /* neither AVX-512 nor AVX2 with FMA: the caller keeps oneDNN */
 int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,
                      int64_t ldy, int threads) {
     return -1;

@@ -13,8 +13,12 @@ Steps of a few rows take a second copy, packed for ``_small_linear.c`` (``SMALL_
 the small-row kernel reads each weight once at 48-53 GB/s, and up to those row counts (a decode step with a short
 prefill chunk beside it) it also beat oneDNN's packed matmul over weights streamed from memory
 (``benchmarks/bench_decode_roofline.py`` times a decode step's linears both ways, and the model's linears over
-24 to 160 rows). A step of one row (``active(several_rows=False)``) keeps oneDNN, whose bits are ``nn.Linear``'s.
-``small_rows=False`` (or no AVX-512) keeps oneDNN for all.
+24 to 160 rows; measured on an AMD Zen 5 with AVX-512). On a CPU with AVX2 and FMA but no AVX-512 (AMD Zen 2/3,
+most Intel client CPUs) the kernel's AVX2 build computes float32 (the same sums in the same order: the same bits)
+at every row count of a step, up to 256 (``SMALL_ROWS_AVX2``): there oneDNN was slower at all of them; bf16 keeps
+the model's ``nn.Linear``s, since oneDNN's bf16 path needs AVX-512 (``onednn_refuses``). A step of one row
+(``active(several_rows=False)``) keeps oneDNN, whose bits are ``nn.Linear``'s. ``small_rows=False`` (or neither
+AVX-512 nor AVX2) keeps oneDNN for all.
 """
 
 from __future__ import annotations
@@ -37,6 +41,20 @@ PACK_HINT = 16  # the batch size oneDNN picks the packed layout for (any batch s
 # row counts the small-row kernel computes, by dtype (fewer or more: oneDNN); past them oneDNN's matmul was as fast
 # or faster (bench_decode_roofline.py's step_linears)
 SMALL_ROWS = {torch.float32: (2, 40), torch.bfloat16: (2, 48)}
+# the kernel's AVX2 build (a CPU without AVX-512: float32 only): oneDNN was slower at every row count it takes, up
+# to a step's 256 (Zen 3, 2 cores, the small preset's 85 linears streamed from memory: 1.2-1.7x at 2 to 40 rows,
+# 1.1-1.3x at 48 to 256; /tmp script in issue 35's note)
+SMALL_ROWS_AVX2 = {torch.float32: (2, 256)}
+AVX2_BUILD = 4  # small_linear_available()'s bit for that build
+
+
+def small_rows_range(lib: Any, dtype: torch.dtype) -> tuple[int, int]:
+    """The row counts the small-row kernel of ``lib`` computes in ``dtype`` (``SMALL_ROWS`` or, for its AVX2 build,
+    ``SMALL_ROWS_AVX2``); (0, -1): none."""
+    if lib is None:
+        return (0, -1)
+    table = SMALL_ROWS_AVX2 if int(lib.small_linear_available()) & AVX2_BUILD else SMALL_ROWS
+    return table.get(dtype, (0, -1))
 
 
 def available(model: PreTrainedModel) -> str | None:
@@ -189,9 +207,12 @@ class SmallPacked:
     """One linear's weight packed for ``_small_linear.c`` (16 outputs' weights per 64-byte line), its bias as
     float32, and the kernel for its dtype."""
 
-    def __init__(self, fn: Any, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) -> None:
+    def __init__(
+        self, fn: Any, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, rows: tuple[int, int]
+    ) -> None:
         self.fn, self.weight, self.bias, self.n, self.k = fn, weight, bias, n, k
         self.dtype = torch.bfloat16 if weight.dtype == torch.int32 else torch.float32
+        self.rows = rows  # the row counts it computes (``small_rows_range``)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``rows`` @ W^T + bias, or None when the kernel does not take them (the caller uses oneDNN)."""
@@ -214,11 +235,13 @@ def small_packed(lib: Any, m: torch.nn.Linear) -> SmallPacked | None:
         return None
     built = int(lib.small_linear_available())
     bias = None if m.bias is None else m.bias.detach().float().contiguous()
+    rows = small_rows_range(lib, w.dtype)
     if w.dtype == torch.float32 and built & 1:  # [N/16][K][16]
-        return SmallPacked(lib.small_linear_f32, w.view(n // 16, 16, k).transpose(1, 2).contiguous(), bias, n, k)
+        packed = w.view(n // 16, 16, k).transpose(1, 2).contiguous()
+        return SmallPacked(lib.small_linear_f32, packed, bias, n, k, rows)
     if w.dtype == torch.bfloat16 and built & 2 and k % 2 == 0:  # [N/16][K/2][16][2] bf16, as int32 pairs
         packed = w.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        return SmallPacked(lib.small_linear_bf16, packed.view(torch.int32), bias, n, k)
+        return SmallPacked(lib.small_linear_bf16, packed.view(torch.int32), bias, n, k, rows)
     return None
 
 
@@ -226,7 +249,7 @@ def _packed_forward(
     weight: torch.Tensor, bias: torch.Tensor | None, small: SmallPacked | None, use: _Use
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     linear = torch.ops.mkldnn._linear_pointwise
-    least, most = SMALL_ROWS[small.dtype] if small is not None else (0, -1)
+    least, most = small.rows if small is not None else (0, -1)
     clock = time.perf_counter
 
     def forward(x: torch.Tensor) -> torch.Tensor:

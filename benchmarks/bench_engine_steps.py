@@ -2,7 +2,7 @@
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
                                             [--block-size 16] [--runs 1] [--workload chat|agent]
-                                            [--dtype float32|bfloat16] [--ab plain-prefill|no-huge-pages|all-rows|hf-layers|onednn-linears]
+                                            [--dtype float32|bfloat16] [--ab torch-prefill|plain-prefill|no-huge-pages|all-rows|hf-layers|onednn-linears]
                                             [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
@@ -34,7 +34,9 @@ kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``; the s
 ``all-rows``, the last layer's output projection and MLP over every row, not only the rows whose logits are kept
 (``PREFIXCACHE_LAST_ROWS=off``); ``hf-layers``, transformers' own decoder-layer forwards instead of the lean ones
 (``PREFIXCACHE_LEAN_LAYERS=off``, ``engine.paged.lean``; the same bits); ``onednn-linears``, the packed linears on
-oneDNN at every row count (``linear.small_rows_range`` none: no small-row kernel).
+oneDNN at every row count (``linear.small_rows_range`` none: no small-row kernel); ``torch-prefill``, prefill rows
+through the torch path (gather + SDPA) instead of the kernel's prefill path (``attention.PREFILL_F32`` /
+``PREFILL_BF16`` off).
 """
 
 from __future__ import annotations
@@ -337,7 +339,21 @@ def onednn_linears() -> Iterator[None]:
         linear.small_rows_range = default  # type: ignore[assignment]
 
 
+@contextmanager
+def torch_prefill() -> Iterator[None]:
+    """Inside, prefill rows take the torch path (gather + SDPA), not the kernel's prefill path."""
+    from engine.paged import attention
+
+    before = attention.PREFILL_F32, attention.PREFILL_BF16
+    attention.PREFILL_F32 = attention.PREFILL_BF16 = False
+    try:
+        yield
+    finally:
+        attention.PREFILL_F32, attention.PREFILL_BF16 = before
+
+
 AB = {
+    "torch-prefill": torch_prefill,
     "plain-prefill": plain_prefill,
     "no-huge-pages": no_huge_pages,
     "all-rows": all_rows,

@@ -116,13 +116,17 @@ def run_case(case, use_kernel: bool, dtype: torch.dtype = torch.float32, tol: fl
     if use_kernel and (dtype == torch.float32 or len(rows) > 1):
         # the prefill path: bf16 rows of PREFILL_MIN_QUERIES or more; fp32 ones of PREFILL_MIN_QUERIES_F32 or more,
         # beside other rows only; where the library has that path. The rest: short ones the decode path, long SDPA
+        # (the 8-lane build: rows of at most PREFILL_MAX_QUERIES_8LANE; longer ones SDPA too)
         built = kernel.prefill_available(kernel.load(), dtype)
         least = att.PREFILL_MIN_QUERIES if dtype == torch.bfloat16 else att.PREFILL_MIN_QUERIES_F32
+        most = att.PREFILL_MAX_QUERIES_8LANE if kernel.prefill_8lane(kernel.load()) else math.inf
         if not built or (dtype == torch.float32 and len(rows) == 1):
             least = math.inf
-        assert batch.prefill_rows == [i for i, r in enumerate(rows) if r.q_len >= least]
-        assert batch.kernel_rows == [i for i, r in enumerate(rows) if r.q_len < least and r.q_len <= KERNEL_MAX_QUERIES]
-        assert batch.torch_rows == [i for i, r in enumerate(rows) if KERNEL_MAX_QUERIES < r.q_len < least]
+        prefill = [i for i, r in enumerate(rows) if least <= r.q_len <= most]
+        assert batch.prefill_rows == prefill
+        short = [i for i, r in enumerate(rows) if i not in prefill and r.q_len <= KERNEL_MAX_QUERIES]
+        assert batch.kernel_rows == short
+        assert batch.torch_rows == [i for i in range(len(rows)) if i not in prefill and i not in short]
     else:  # no kernel asked for, or a bf16 row alone in its step (SDPA: the bare model's call)
         assert batch.kernel_rows == batch.prefill_rows == [] and batch.torch_rows == list(range(len(rows)))
     PagedKV(batch).update(torch.cat(new_k, dim=1)[None], torch.cat(new_v, dim=1)[None], layer_idx=0)
@@ -178,6 +182,18 @@ def test_kernel_equals_contiguous_reference(case):
     if kernel.load() is None:
         pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
     run_case(case, use_kernel=True)
+
+
+@SETTINGS
+@given(case=cases(long_rows=True))
+def test_8lane_prefill_path_on_rows_of_any_length(case):
+    """The prefill path's 8-lane (AVX2) build, which the engine sends rows of at most ``PREFILL_MAX_QUERIES_8LANE``
+    new tokens, computes longer ones right too (several tiles, groups of tiles, quarters of a tile)."""
+    if kernel.load() is None or not kernel.prefill_8lane(kernel.load()):
+        pytest.skip("the prefill path here is not the 8-lane build")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(att, "PREFILL_MAX_QUERIES_8LANE", math.inf)
+        run_case(case, use_kernel=True)
 
 
 @SETTINGS

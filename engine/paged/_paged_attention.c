@@ -23,7 +23,10 @@
  * (tests/test_paged_attention.py measures how often an output moves by one bf16 ulp).
  * Where the compiler targets AVX-512 (-march=native on such a CPU) and the head dim is a multiple of 16, run_item16
  * does the same with 16-lane vectors: one reduction per key's score, a split's exps 16 at a time (2.6x the scalar
- * loop's speed on 8 rows of 1,500 tokens, 12 heads of 64; the scalar one was bound by arithmetic).
+ * loop's speed on 8 rows of 1,500 tokens, 12 heads of 64; the scalar one was bound by arithmetic). Where it targets
+ * AVX2 with FMA but not AVX-512 (AMD Zen 2/3, most Intel client CPUs), run_item8 does the same with 8-lane vectors
+ * for head dims that are a multiple of 8 (1.3x the scalar loop on a Zen 3: 8 rows x 1,400 keys, 12 layers, scattered
+ * blocks), and paged_prefill_f32 runs with 8-lane vectors (prefill_group8).
  *
  * paged_prefill_bf16 serves rows of many new tokens (prefill chunks) over bfloat16 pools where the compiler targets
  * AVX512-BF16: the same online softmax over the same splits, with bf16 pair dot products (vdpbf16ps: each product
@@ -179,6 +182,118 @@ static inline void prefetch_at(const job_t *j, const int32_t *table, int64_t hea
         prefetch_bytes((const char *)j->kpool + key_at(j, table, head_base, b * j->bs) * el, blk);
 }
 
+/* The prefill path's tiles and scratch, for its AVX-512 and AVX2 builds. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <omp.h>
+#define PF_QT 32       /* queries per prefill tile: two 16-lane vectors (four 8-lane) */
+#define PF_KB 8        /* keys per score block: 16 accumulators */
+#define PF_NQ 4        /* queries per PV group (bf16) */
+/* PF_NQ_F32: queries per float32 PV group, as many as keep its accumulators (queries x head dim / 16) within 24
+ * registers (head dim 64: 6; 128: 3); with the rest in pairs. Each query sums its values in key order whatever its
+ * group: the same bits (4 was the first choice: 256 new tokens over 1,400 keys, fp32, 12 layers, 3.07 -> 2.85 ms). */
+#ifndef PF_NQ_F32
+#define PF_NQ_F32 6
+#endif
+#define PF_NQ_MAX (PF_NQ_F32 > PF_NQ ? PF_NQ_F32 : PF_NQ)
+#define PF_MAX_DIM 256 /* head dims up to this (multiples of 16) */
+/* The prefill path's tunings, each 0 (PF_GROUP 1) in a variant built to compare against (kernel.load_variant,
+ * kernel.PREFILL_PLAIN; the outputs are the same bits either way).
+ * PF_HALF: a tile of at most 16 queries computes one 16-lane half of the tile, 16 keys at a time (else both halves,
+ *   8 keys at a time).
+ * PF_PREFETCH: the tiles ask for their keys KV_AHEAD blocks ahead and for each block's values (prefetch_at), as the
+ *   decode path does. Rows of 8 new tokens over 3,072 cached ones, 12 layers out of cache (bf16, scattered blocks):
+ *   1.06 -> 0.45 ms per layer for both (bench_agent_attention).
+ * PF_GROUP: up to this many tiles of one row and query head are one work item, run split by split (prefill_group_*):
+ *   a split's keys and values come from memory once for the group, from L2 for its other tiles (1: a tile per item,
+ *   each reading all its keys and values).
+ * PF_GROUP_VALUES: a bf16 group's tiles that read the same keys of a split share its interleaved values (0: each
+ *   tile builds them).
+ * PF_CONTIG: a score block's keys that lie in one pool block are read at constant offsets from the first.
+ * PF_PVB: the weighted values run in blocks of this many keys, every query group over a block in turn, so a block's
+ *   values are read from L1 (0: each query group over the whole split, the values from L2).
+ * All four of the last, against none (bench_agent_attention's builds, 256 new tokens over 1,536 cached, 12 layers,
+ * scattered blocks): fp32 4.75 -> 3.90 ms per layer, bf16 2.45 -> 2.2 ms. */
+#ifndef PF_HALF
+#define PF_HALF 1
+#endif
+#ifndef PF_PREFETCH
+#define PF_PREFETCH 1
+#endif
+#ifndef PF_GROUP
+#define PF_GROUP 8
+#endif
+#ifndef PF_GROUP_VALUES
+#define PF_GROUP_VALUES 1
+#endif
+#ifndef PF_CONTIG
+#define PF_CONTIG 1
+#endif
+#ifndef PF_PVB
+#define PF_PVB 64
+#endif
+
+/* Which of a tile's queries (bit i: query i, at position pos0 + i, i < nq) attend key position p. */
+static inline uint32_t tile_mask(int p, int pos0, int nq, int window) {
+    int lo = p - pos0 > 0 ? p - pos0 : 0, hi = nq - 1;
+    if (window > 0 && p - pos0 + window - 1 < hi) hi = p - pos0 + window - 1;
+    if (lo > hi) return 0;
+    const uint32_t upto = hi >= 31 ? 0xFFFFFFFFu : ((1u << (hi + 1)) - 1u);
+    return upto & ~((1u << lo) - 1u);
+}
+
+/* tile_mask, where keys in [full_lo, pos0] (seen by every live query: at or before the first query, inside the
+ * last one's window) are the live lanes without computing it. */
+static inline uint32_t pf_mask(int p, int full_lo, int pos0, uint32_t live, int nq, int window) {
+    return p >= full_lo && p <= pos0 ? live : tile_mask(p, pos0, nq, window);
+}
+
+/* Where a tile of queries i0 .. i0 + 31 of row r (query head h) reads: its live queries, their positions, the keys
+ * they see, the row's block table and the kv head's base in the pool. */
+typedef struct {
+    int nq, pos0, posl, lo, full_lo, S, qs;
+    uint32_t live;
+    const int32_t *table;
+    int64_t head_base;
+} tile_t;
+
+static inline tile_t tile_at(const job_t *j, int r, int h, int i0) {
+    tile_t t;
+    const int ql = j->q_len[r], kv = j->kv_len[r], g = h / (j->hq / j->hkv);
+    t.nq = ql - i0 < PF_QT ? ql - i0 : PF_QT;
+    t.qs = j->q_start[r];
+    t.S = split_size(j, kv);
+    t.table = j->tables + (int64_t)r * j->table_stride;
+    t.head_base = (int64_t)g * j->pool_blocks * j->bs * j->dim;
+    t.pos0 = kv - ql + i0;
+    t.posl = t.pos0 + t.nq - 1;
+    t.lo = (j->window > 0 && t.pos0 - j->window + 1 > 0) ? t.pos0 - j->window + 1 : 0;
+    t.live = t.nq >= 32 ? 0xFFFFFFFFu : ((1u << t.nq) - 1u);
+    t.full_lo = j->window > 0 ? t.posl - j->window + 1 : 0; /* keys from here to pos0: every live query sees them */
+    return t;
+}
+
+/* The mask of key position p for tile t (pf_mask). */
+static inline uint32_t tile_key_mask(const job_t *j, const tile_t *t, int p) {
+    return pf_mask(p, t->full_lo, t->pos0, t->live, t->nq, j->window);
+}
+
+/* Bytes of scratch one thread of paged_prefill_bf16 / _f32 uses for head dim `dim` and splits of `split` keys (the
+ * larger of the two layouts: queries [dim][32] floats, scores [split][32], probability pairs, values by key pairs or
+ * value offsets, output accumulators [32][dim]). */
+static int64_t prefill_scratch(int dim, int split) {
+    const int64_t pairs = (split + 1) / 2;
+    int64_t b = (int64_t)dim * PF_QT * 4 + (int64_t)split * PF_QT * 4 + pairs * PF_QT * 4;
+    b += pairs * 2 * dim * 2 + (int64_t)split * 8 + (int64_t)PF_QT * dim * 4 + 4 * 64;
+    const int64_t f32 = (int64_t)split * (PF_QT * 4 + 8) + (int64_t)PF_GROUP * (2 * dim * PF_QT + 2 * PF_QT) * 4;
+    const int64_t bf = (int64_t)split * PF_QT * 4 + pairs * (PF_QT * 4 + 2 * dim * 2) +
+                       (int64_t)PF_GROUP * (dim / 2 * PF_QT + dim * PF_QT + 2 * PF_QT) * 4;
+    if (f32 + 64 > b) b = f32 + 64; /* a group of tiles (prefill_group_f32, prefill_group_bf16) */
+    if (bf + 64 > b) b = bf + 64;
+    return (b + 63) / 64 * 64;
+}
+
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -289,99 +404,6 @@ static inline __attribute__((always_inline)) void run_item16(const job_t *j, int
     }
 }
 
-#include <omp.h>
-#define PF_QT 32       /* queries per prefill tile: two 16-lane vectors */
-#define PF_KB 8        /* keys per score block: 16 accumulators */
-#define PF_NQ 4        /* queries per PV group (bf16) */
-/* PF_NQ_F32: queries per float32 PV group, as many as keep its accumulators (queries x head dim / 16) within 24
- * registers (head dim 64: 6; 128: 3); with the rest in pairs. Each query sums its values in key order whatever its
- * group: the same bits (4 was the first choice: 256 new tokens over 1,400 keys, fp32, 12 layers, 3.07 -> 2.85 ms). */
-#ifndef PF_NQ_F32
-#define PF_NQ_F32 6
-#endif
-#define PF_NQ_MAX (PF_NQ_F32 > PF_NQ ? PF_NQ_F32 : PF_NQ)
-#define PF_MAX_DIM 256 /* head dims up to this (multiples of 16) */
-/* The prefill path's tunings, each 0 (PF_GROUP 1) in a variant built to compare against (kernel.load_variant,
- * kernel.PREFILL_PLAIN; the outputs are the same bits either way).
- * PF_HALF: a tile of at most 16 queries computes one 16-lane half of the tile, 16 keys at a time (else both halves,
- *   8 keys at a time).
- * PF_PREFETCH: the tiles ask for their keys KV_AHEAD blocks ahead and for each block's values (prefetch_at), as the
- *   decode path does. Rows of 8 new tokens over 3,072 cached ones, 12 layers out of cache (bf16, scattered blocks):
- *   1.06 -> 0.45 ms per layer for both (bench_agent_attention).
- * PF_GROUP: up to this many tiles of one row and query head are one work item, run split by split (prefill_group_*):
- *   a split's keys and values come from memory once for the group, from L2 for its other tiles (1: a tile per item,
- *   each reading all its keys and values).
- * PF_GROUP_VALUES: a bf16 group's tiles that read the same keys of a split share its interleaved values (0: each
- *   tile builds them).
- * PF_CONTIG: a score block's keys that lie in one pool block are read at constant offsets from the first.
- * PF_PVB: the weighted values run in blocks of this many keys, every query group over a block in turn, so a block's
- *   values are read from L1 (0: each query group over the whole split, the values from L2).
- * All four of the last, against none (bench_agent_attention's builds, 256 new tokens over 1,536 cached, 12 layers,
- * scattered blocks): fp32 4.75 -> 3.90 ms per layer, bf16 2.45 -> 2.2 ms. */
-#ifndef PF_HALF
-#define PF_HALF 1
-#endif
-#ifndef PF_PREFETCH
-#define PF_PREFETCH 1
-#endif
-#ifndef PF_GROUP
-#define PF_GROUP 8
-#endif
-#ifndef PF_GROUP_VALUES
-#define PF_GROUP_VALUES 1
-#endif
-#ifndef PF_CONTIG
-#define PF_CONTIG 1
-#endif
-#ifndef PF_PVB
-#define PF_PVB 64
-#endif
-
-/* Which of a tile's queries (bit i: query i, at position pos0 + i, i < nq) attend key position p. */
-static inline uint32_t tile_mask(int p, int pos0, int nq, int window) {
-    int lo = p - pos0 > 0 ? p - pos0 : 0, hi = nq - 1;
-    if (window > 0 && p - pos0 + window - 1 < hi) hi = p - pos0 + window - 1;
-    if (lo > hi) return 0;
-    const uint32_t upto = hi >= 31 ? 0xFFFFFFFFu : ((1u << (hi + 1)) - 1u);
-    return upto & ~((1u << lo) - 1u);
-}
-
-/* tile_mask, where keys in [full_lo, pos0] (seen by every live query: at or before the first query, inside the
- * last one's window) are the live lanes without computing it. */
-static inline uint32_t pf_mask(int p, int full_lo, int pos0, uint32_t live, int nq, int window) {
-    return p >= full_lo && p <= pos0 ? live : tile_mask(p, pos0, nq, window);
-}
-
-/* Where a tile of queries i0 .. i0 + 31 of row r (query head h) reads: its live queries, their positions, the keys
- * they see, the row's block table and the kv head's base in the pool. */
-typedef struct {
-    int nq, pos0, posl, lo, full_lo, S, qs;
-    uint32_t live;
-    const int32_t *table;
-    int64_t head_base;
-} tile_t;
-
-static inline tile_t tile_at(const job_t *j, int r, int h, int i0) {
-    tile_t t;
-    const int ql = j->q_len[r], kv = j->kv_len[r], g = h / (j->hq / j->hkv);
-    t.nq = ql - i0 < PF_QT ? ql - i0 : PF_QT;
-    t.qs = j->q_start[r];
-    t.S = split_size(j, kv);
-    t.table = j->tables + (int64_t)r * j->table_stride;
-    t.head_base = (int64_t)g * j->pool_blocks * j->bs * j->dim;
-    t.pos0 = kv - ql + i0;
-    t.posl = t.pos0 + t.nq - 1;
-    t.lo = (j->window > 0 && t.pos0 - j->window + 1 > 0) ? t.pos0 - j->window + 1 : 0;
-    t.live = t.nq >= 32 ? 0xFFFFFFFFu : ((1u << t.nq) - 1u);
-    t.full_lo = j->window > 0 ? t.posl - j->window + 1 : 0; /* keys from here to pos0: every live query sees them */
-    return t;
-}
-
-/* The mask of key position p for tile t (pf_mask). */
-static inline uint32_t tile_key_mask(const job_t *j, const tile_t *t, int p) {
-    return pf_mask(p, t->full_lo, t->pos0, t->live, t->nq, j->window);
-}
-
 /* A score block's `un` keys from position a + kb: their scaled scores into s ([k][32]), and the split's running
  * max over the keys each query sees into mx; for the first `nv` 16-lane halves of the tile. */
 static inline __attribute__((always_inline)) void store_scores(const job_t *j, const tile_t *t, __m512 (*acc)[2],
@@ -396,21 +418,6 @@ static inline __attribute__((always_inline)) void store_scores(const job_t *j, c
             mx[v] = _mm512_mask_max_ps(mx[v], (__mmask16)(mk >> (16 * v)), mx[v], sc);
         }
     }
-}
-
-/* Bytes of scratch one thread of paged_prefill_bf16 / _f32 uses for head dim `dim` and splits of `split` keys (the
- * larger of the two layouts: queries [dim][32] floats, scores [split][32], probability pairs, values by key pairs or
- * value offsets, output accumulators [32][dim]). */
-static int64_t prefill_scratch(int dim, int split) {
-    const int64_t pairs = (split + 1) / 2;
-    int64_t b = (int64_t)dim * PF_QT * 4 + (int64_t)split * PF_QT * 4 + pairs * PF_QT * 4;
-    b += pairs * 2 * dim * 2 + (int64_t)split * 8 + (int64_t)PF_QT * dim * 4 + 4 * 64;
-    const int64_t f32 = (int64_t)split * (PF_QT * 4 + 8) + (int64_t)PF_GROUP * (2 * dim * PF_QT + 2 * PF_QT) * 4;
-    const int64_t bf = (int64_t)split * PF_QT * 4 + pairs * (PF_QT * 4 + 2 * dim * 2) +
-                       (int64_t)PF_GROUP * (dim / 2 * PF_QT + dim * PF_QT + 2 * PF_QT) * 4;
-    if (f32 + 64 > b) b = f32 + 64; /* a group of tiles (prefill_group_f32, prefill_group_bf16) */
-    if (bf + 64 > b) b = bf + 64;
-    return (b + 63) / 64 * 64;
 }
 
 /* A split's running max, rescale factors and sums: m <- max(m, mx) (in mn too), l *= exp(m_old - m) (1 where the max
@@ -833,62 +840,6 @@ static void prefill_item_bf16(const job_t *j, int r, int h, int t0, int nt, char
 static void prefill_item_bf16(const job_t *j, int r, int h, int t0, int nt, char *scratch) {} /* never called: no AVX512-BF16 */
 #endif
 
-/* 1: the float32 prefill path is built; | 2: the bfloat16 one too (AVX512-BF16). */
-int paged_prefill_available(void) { return 1 | (PREFILL_BF16_BUILT ? 2 : 0); }
-
-int64_t paged_prefill_scratch(int dim, int split) { return prefill_scratch(dim, split); }
-
-/* Work items (row, query head, tile of 32 queries) of the prefill rows over both threads; -1 for shapes it does not
- * serve (a head dim not a multiple of 16 or over 256, a split over MAX_SPLIT, a soft-cap, too little scratch). */
-static int prefill_run(const job_t *j, int threads, char *scratch, int64_t scratch_bytes, int bf) {
-    if (j->dim % 16 != 0 || j->dim > PF_MAX_DIM || j->split < 1 || j->split > MAX_SPLIT || j->softcap > 0.0f ||
-        j->hkv <= 0 || j->hq % j->hkv != 0 || threads < 1 ||
-        scratch_bytes < (int64_t)threads * prefill_scratch(j->dim, j->split) || (bf && !PREFILL_BF16_BUILT))
-        return -1;
-    const int32_t *q_len = j->q_len;
-    const int hq = j->hq, G = PF_GROUP; /* tiles per work item */
-    int items = 0;
-    for (int r = 0; r < j->rows; r++) items += hq * ((q_len[r] + G * PF_QT - 1) / (G * PF_QT));
-    const int n = threads < items ? threads : items;
-    const int64_t per = prefill_scratch(j->dim, j->split);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n > 0 ? n : 1)
-    for (int it = 0; it < items; it++) {
-        int r = 0, rest = it;
-        while (rest >= hq * ((q_len[r] + G * PF_QT - 1) / (G * PF_QT)))
-            rest -= hq * ((q_len[r++] + G * PF_QT - 1) / (G * PF_QT));
-        const int tiles = (q_len[r] + PF_QT - 1) / PF_QT, groups = (tiles + G - 1) / G;
-        const int h = rest / groups, t0 = (rest % groups) * G;
-        char *mine = scratch + (int64_t)omp_get_thread_num() * per;
-        if (bf)
-            prefill_item_bf16(j, r, h, t0, tiles - t0 < G ? tiles - t0 : G, mine);
-        else
-            prefill_item_f32(j, r, h, t0, tiles - t0 < G ? tiles - t0 : G, mine);
-    }
-    return 0;
-}
-
-/* Attention of prefill rows (many new tokens each), with the arguments of paged_attention_bf16 (float32 queries
- * holding bfloat16 values) and `scratch`: `threads` * paged_prefill_scratch(dim, split) bytes. 0, or -1 (above). */
-int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kpool, const uint16_t *vpool,
-                       int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
-                       int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
-                       int rows, float scale, float softcap, int window, int split, float *out, int threads,
-                       char *scratch, int64_t scratch_bytes) {
-    const job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
-                     table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
-    return prefill_run(&j, threads, scratch, scratch_bytes, 1);
-}
-
-/* The same over float32 pools. */
-int paged_prefill_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kpool, const float *vpool,
-                      int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
-                      int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
-                      int rows, float scale, float softcap, int window, int split, float *out, int threads,
-                      char *scratch, int64_t scratch_bytes) {
-    const job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
-                     table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
-    return prefill_run(&j, threads, scratch, scratch_bytes, 0);
-}
 static inline __attribute__((always_inline)) void item_as(const job_t *j, int r, int g, const int bf) {
     if (j->dim == 64)
         run_item16(j, r, g, 4, bf);  /* the common head dims, unrolled with their accumulators in registers */
@@ -1027,9 +978,279 @@ static inline __attribute__((always_inline)) void item_as(const job_t *j, int r,
     else
         run_item(j, r, g, bf);
 }
+
+/* The float32 prefill path with 8-lane vectors: prefill_group_f32's tiles of 32 queries (four 8-lane quarters; a
+ * tile of at most 8 or 16 queries computes one or two), groups of tiles over the same splits, scores by FMAs summed
+ * over the head dim in order, the split's max, exps and sums, and the values weighted in key order: per query and
+ * output element the AVX-512 build's arithmetic in its order. Fewer registers: KB8 keys per score block (8 / quarters),
+ * the values weighted for two queries at a time over 32 output elements. */
+#define AI __attribute__((always_inline))
+
+/* The lanes of quarter v of a tile key mask, as a vector mask. */
+static inline __m256 mask8(uint32_t mk, int v) {
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i b = _mm256_and_si256(_mm256_set1_epi32((int)((mk >> (8 * v)) & 0xFFu)), bits);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bits));
+}
+
+/* The scores of KB keys against the first nv quarters of a tile's queries (`qt`, [D][32]) into acc: the keys at k0,
+ * k0 + D, ... when k0 is given, else at kr[u]. */
+static inline AI void scores8(__m256 (*acc)[4], const float *qt, const float *k0, const float *const *kr, const int D,
+                              const int nv, const int KB) {
+    for (int u = 0; u < KB; u++)
+        for (int v = 0; v < nv; v++) acc[u][v] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        __m256 qd[4];
+        for (int v = 0; v < nv; v++) qd[v] = _mm256_loadu_ps(qt + d * PF_QT + 8 * v);
+        for (int u = 0; u < KB; u++) {
+            const __m256 kd = _mm256_broadcast_ss(k0 ? k0 + u * D + d : kr[u] + d);
+            for (int v = 0; v < nv; v++) acc[u][v] = _mm256_fmadd_ps(qd[v], kd, acc[u][v]);
+        }
+    }
+}
+
+/* store_scores with quarters: `un` keys' scaled scores into s ([k][32]) and the running max over the keys each query
+ * sees into mx. */
+static inline AI void store_scores8(const job_t *j, const tile_t *t, __m256 (*acc)[4], int un, int a, int kb,
+                                    float *s, __m256 mx[4], const int nv) {
+    const __m256 scale = _mm256_set1_ps(j->scale);
+    for (int u = 0; u < un; u++) {
+        const uint32_t mk = tile_key_mask(j, t, a + kb + u);
+        for (int v = 0; v < nv; v++) {
+            const __m256 sc = _mm256_mul_ps(acc[u][v], scale);
+            _mm256_storeu_ps(s + (int64_t)(kb + u) * PF_QT + 8 * v, sc);
+            mx[v] = _mm256_blendv_ps(mx[v], _mm256_max_ps(mx[v], sc), mask8(mk, v));
+        }
+    }
+}
+
+/* Two (gq) queries' accumulators `o` ([gq][D]) over output elements x0 .. x0 + 8 cw - 1: scaled by `c`, plus the
+ * probabilities `pr` ([n][32]) times the value rows at `vo`, in key order. */
+static inline AI void pv_chunk8(float *o, const float *c, const float *pr, const float *vpool, const int64_t *vo,
+                                int n, const int D, int x0, const int gq, const int cw) {
+    __m256 acc[2][4];
+    for (int q = 0; q < gq; q++) {
+        const __m256 cq = _mm256_set1_ps(c[q]);
+        for (int x = 0; x < cw; x++) acc[q][x] = _mm256_mul_ps(_mm256_loadu_ps(o + (int64_t)q * D + x0 + 8 * x), cq);
+    }
+    for (int k = 0; k < n; k++) {
+        const float *vr = vpool + vo[k] + x0;
+        __m256 vz[4];
+        for (int x = 0; x < cw; x++) vz[x] = _mm256_loadu_ps(vr + 8 * x);
+        for (int q = 0; q < gq; q++) {
+            const __m256 p = _mm256_broadcast_ss(pr + (int64_t)k * PF_QT + q);
+            for (int x = 0; x < cw; x++) acc[q][x] = _mm256_fmadd_ps(p, vz[x], acc[q][x]);
+        }
+    }
+    for (int q = 0; q < gq; q++)
+        for (int x = 0; x < cw; x++) _mm256_storeu_ps(o + (int64_t)q * D + x0 + 8 * x, acc[q][x]);
+}
+
+static inline AI void pv8(float *o, const float *c, const float *pr, const float *vpool, const int64_t *vo, int n,
+                          const int D, const int gq) {
+    int x0 = 0;
+    for (; D - x0 >= 32; x0 += 32) pv_chunk8(o, c, pr, vpool, vo, n, D, x0, gq, 4);
+    if (x0 < D) pv_chunk8(o, c, pr, vpool, vo, n, D, x0, gq, 2); /* D is a multiple of 16 */
+}
+
+/* One split (keys from c0) of a tile: split_f32 with quarters (see above). */
+static inline AI void split8(const job_t *j, const tile_t *tile, int c0, const float *qt, float *o, float *ml,
+                             float *s, int64_t *vo, int fetched, const int D, const int nv) {
+    const int KB = 8 / nv;
+    const int nq = tile->nq, S = tile->S, lo = tile->lo, posl = tile->posl;
+    const int32_t *table = tile->table;
+    const int64_t head_base = tile->head_base;
+    const float *kpool = (const float *)j->kpool, *vpool = (const float *)j->vpool;
+    const int a = lo > c0 ? lo : c0, c1 = c0 + S - 1 < posl ? c0 + S - 1 : posl, n = c1 - a + 1;
+    __m256 m[4], l[4], mx[4], esum[4];
+    for (int v = 0; v < nv; v++) {
+        m[v] = _mm256_loadu_ps(ml + 8 * v);
+        l[v] = _mm256_loadu_ps(ml + PF_QT + 8 * v);
+        mx[v] = _mm256_set1_ps(-INFINITY);
+    }
+    float cs[PF_QT];
+    for (int kb = 0; kb < n; kb += KB) {
+        for (int u = 0; u < KB && a + kb + u <= c1; u++) /* at each block the keys ahead, its values */
+            if (PF_PREFETCH && a + kb + u > fetched && ((a + kb + u) % j->bs == 0 || kb + u == 0))
+                prefetch_at(j, table, head_base, a + kb + u, lo, posl, 4);
+        __m256 acc[8][4];
+        const int p0 = a + kb;
+        if (p0 % j->bs + KB <= j->bs && p0 + KB - 1 <= c1) /* the KB keys lie in one block, in order */
+            scores8(acc, qt, kpool + key_at(j, table, head_base, p0), NULL, D, nv, KB);
+        else {
+            const float *kr[8];
+            for (int u = 0; u < KB; u++) kr[u] = kpool + key_at(j, table, head_base, p0 + u <= c1 ? p0 + u : c1);
+            scores8(acc, qt, NULL, kr, D, nv, KB);
+        }
+        store_scores8(j, tile, acc, n - kb < KB ? n - kb : KB, a, kb, s, mx, nv);
+    }
+    for (int v = 0; v < nv; v++) { /* split_rescale */
+        const __m256 mn = _mm256_max_ps(m[v], mx[v]);
+        const __m256 up = _mm256_cmp_ps(mn, m[v], _CMP_GT_OQ);
+        const __m256 c = _mm256_blendv_ps(_mm256_set1_ps(1.0f), fast_exp8(_mm256_sub_ps(m[v], mn)), up);
+        l[v] = _mm256_mul_ps(l[v], c);
+        _mm256_storeu_ps(cs + 8 * v, c);
+        m[v] = mn;
+        esum[v] = _mm256_setzero_ps();
+    }
+    for (int k = 0; k < n; k++) {
+        const uint32_t mk = tile_key_mask(j, tile, a + k);
+        for (int v = 0; v < nv; v++) {
+            float *sk = s + (int64_t)k * PF_QT + 8 * v;
+            const __m256 e = _mm256_and_ps(mask8(mk, v), fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sk), m[v])));
+            esum[v] = _mm256_add_ps(esum[v], e);
+            _mm256_storeu_ps(sk, e);
+        }
+        vo[k] = key_at(j, table, head_base, a + k);
+    }
+    for (int v = 0; v < nv; v++) {
+        l[v] = _mm256_add_ps(l[v], esum[v]);
+        _mm256_storeu_ps(ml + 8 * v, m[v]);
+        _mm256_storeu_ps(ml + PF_QT + 8 * v, l[v]);
+    }
+    float ones[PF_QT];
+    for (int i = 0; i < PF_QT; i++) ones[i] = 1.0f;
+    const int kstep = PF_PVB > 0 ? PF_PVB : n;
+    for (int k0 = 0; k0 < n; k0 += kstep) { /* every query pair over a block of values while they are in L1 */
+        const int kn = n - k0 < kstep ? n - k0 : kstep;
+        const float *c = k0 == 0 ? cs : ones; /* scaled once per split; x 1.0 after: the same bits */
+        const float *pk = s + (int64_t)k0 * PF_QT;
+        int i = 0;
+        for (; nq - i >= 2; i += 2) pv8(o + (int64_t)i * D, c + i, pk + i, vpool, vo + k0, kn, D, 2);
+        if (i < nq) pv8(o + (int64_t)i * D, c + i, pk + i, vpool, vo + k0, kn, D, 1);
+    }
+}
+
+/* prefill_group_f32 with quarters: tiles t0 .. t0 + nt - 1 of row r, query head h, split by split. */
+static inline AI void prefill_group8(const job_t *j, int r, int h, int t0, int nt, char *scratch, const int D) {
+    tile_t tl[PF_GROUP];
+    for (int t = 0; t < nt; t++) tl[t] = tile_at(j, r, h, (t0 + t) * PF_QT);
+    const int S = tl[0].S;
+    float *s = (float *)scratch;                       /* [S][32] scores, then exps */
+    int64_t *vo = (int64_t *)(s + (int64_t)S * PF_QT); /* [S] the split's value rows */
+    float *mine = (float *)(vo + S);                   /* per tile: qt [D][32], o [32][D], ml [2][32] */
+    const int64_t per = (int64_t)2 * D * PF_QT + 2 * PF_QT;
+    int c_lo = INT32_MAX, c_hi = -1;
+    for (int t = 0; t < nt; t++) {
+        float *qt = mine + t * per, *o = qt + (int64_t)D * PF_QT, *ml = o + (int64_t)D * PF_QT;
+        const int i0 = (t0 + t) * PF_QT;
+        for (int i = 0; i < PF_QT; i++) {
+            const float *qv =
+                i < tl[t].nq ? j->q + (int64_t)(tl[t].qs + i0 + i) * j->q_st + (int64_t)h * j->q_sh : NULL;
+            for (int d = 0; d < D; d++) qt[d * PF_QT + i] = qv ? qv[d] : 0.0f; /* past the row's end: zeros */
+            ml[i] = -INFINITY;
+            ml[PF_QT + i] = 0.0f;
+        }
+        memset(o, 0, sizeof(float) * PF_QT * D);
+        if ((tl[t].lo / S) * S < c_lo) c_lo = (tl[t].lo / S) * S;
+        if (tl[t].posl > c_hi) c_hi = tl[t].posl;
+    }
+    for (int c0 = c_lo; c0 <= c_hi; c0 += S) {
+        int fetched = -1; /* the last key an earlier tile of the group read in this split */
+        for (int t = 0; t < nt; t++) {
+            const tile_t *tile = &tl[t];
+            if (c0 < (tile->lo / S) * S || c0 > tile->posl) continue;
+            float *qt = mine + t * per, *o = qt + (int64_t)D * PF_QT, *ml = o + (int64_t)D * PF_QT;
+            if (tile->nq <= 8)
+                split8(j, tile, c0, qt, o, ml, s, vo, fetched, D, 1);
+            else if (tile->nq <= 16)
+                split8(j, tile, c0, qt, o, ml, s, vo, fetched, D, 2);
+            else
+                split8(j, tile, c0, qt, o, ml, s, vo, fetched, D, 4);
+            const int c1 = c0 + S - 1 < tile->posl ? c0 + S - 1 : tile->posl;
+            if (c1 > fetched) fetched = c1;
+        }
+    }
+    for (int t = 0; t < nt; t++) { /* tile_store */
+        const float *o = mine + t * per + (int64_t)D * PF_QT, *ml = o + (int64_t)D * PF_QT;
+        const int i0 = (t0 + t) * PF_QT, qs = j->q_start[r];
+        for (int i = 0; i < tl[t].nq; i++) {
+            float *dst = j->out + ((int64_t)(qs + i0 + i) * j->hq + h) * D;
+            const __m256 inv = _mm256_set1_ps(1.0f / ml[PF_QT + i]);
+            for (int x = 0; x < D; x += 8)
+                _mm256_storeu_ps(dst + x, _mm256_mul_ps(_mm256_loadu_ps(o + (int64_t)i * D + x), inv));
+        }
+    }
+}
+
+static void prefill_item_f32(const job_t *j, int r, int h, int t0, int nt, char *scratch) {
+    if (j->dim == 64)
+        prefill_group8(j, r, h, t0, nt, scratch, 64);
+    else if (j->dim == 128)
+        prefill_group8(j, r, h, t0, nt, scratch, 128);
+    else
+        prefill_group8(j, r, h, t0, nt, scratch, j->dim);
+}
+#define PREFILL_BF16_BUILT 0
+#define PREFILL_8LANE 1
+static void prefill_item_bf16(const job_t *j, int r, int h, int t0, int nt, char *scratch) {} /* never called */
+#undef AI
 #else
 static inline __attribute__((always_inline)) void item_as(const job_t *j, int r, int g, const int bf) {
     run_item(j, r, g, bf);
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* 1: the float32 prefill path is built (AVX-512 or AVX2 with FMA); | 2: the bfloat16 one too (AVX512-BF16); | 4: it
+ * is the 8-lane build (AVX2: attention.PREFILL_MAX_QUERIES_8LANE). */
+#ifndef PREFILL_8LANE
+#define PREFILL_8LANE 0
+#endif
+int paged_prefill_available(void) { return 1 | (PREFILL_BF16_BUILT ? 2 : 0) | (PREFILL_8LANE ? 4 : 0); }
+
+int64_t paged_prefill_scratch(int dim, int split) { return prefill_scratch(dim, split); }
+
+/* Work items (row, query head, tile of 32 queries) of the prefill rows over both threads; -1 for shapes it does not
+ * serve (a head dim not a multiple of 16 or over 256, a split over MAX_SPLIT, a soft-cap, too little scratch). */
+static int prefill_run(const job_t *j, int threads, char *scratch, int64_t scratch_bytes, int bf) {
+    if (j->dim % 16 != 0 || j->dim > PF_MAX_DIM || j->split < 1 || j->split > MAX_SPLIT || j->softcap > 0.0f ||
+        j->hkv <= 0 || j->hq % j->hkv != 0 || threads < 1 ||
+        scratch_bytes < (int64_t)threads * prefill_scratch(j->dim, j->split) || (bf && !PREFILL_BF16_BUILT))
+        return -1;
+    const int32_t *q_len = j->q_len;
+    const int hq = j->hq, G = PF_GROUP; /* tiles per work item */
+    int items = 0;
+    for (int r = 0; r < j->rows; r++) items += hq * ((q_len[r] + G * PF_QT - 1) / (G * PF_QT));
+    const int n = threads < items ? threads : items;
+    const int64_t per = prefill_scratch(j->dim, j->split);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n > 0 ? n : 1)
+    for (int it = 0; it < items; it++) {
+        int r = 0, rest = it;
+        while (rest >= hq * ((q_len[r] + G * PF_QT - 1) / (G * PF_QT)))
+            rest -= hq * ((q_len[r++] + G * PF_QT - 1) / (G * PF_QT));
+        const int tiles = (q_len[r] + PF_QT - 1) / PF_QT, groups = (tiles + G - 1) / G;
+        const int h = rest / groups, t0 = (rest % groups) * G;
+        char *mine = scratch + (int64_t)omp_get_thread_num() * per;
+        if (bf)
+            prefill_item_bf16(j, r, h, t0, tiles - t0 < G ? tiles - t0 : G, mine);
+        else
+            prefill_item_f32(j, r, h, t0, tiles - t0 < G ? tiles - t0 : G, mine);
+    }
+    return 0;
+}
+
+/* Attention of prefill rows (many new tokens each), with the arguments of paged_attention_bf16 (float32 queries
+ * holding bfloat16 values) and `scratch`: `threads` * paged_prefill_scratch(dim, split) bytes. 0, or -1 (above). */
+int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kpool, const uint16_t *vpool,
+                       int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                       int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                       int rows, float scale, float softcap, int window, int split, float *out, int threads,
+                       char *scratch, int64_t scratch_bytes) {
+    const job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
+                     table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
+    return prefill_run(&j, threads, scratch, scratch_bytes, 1);
+}
+
+/* The same over float32 pools. */
+int paged_prefill_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kpool, const float *vpool,
+                      int64_t pool_blocks, int bs, int dim, int hkv, int hq, const int32_t *tables,
+                      int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
+                      int rows, float scale, float softcap, int window, int split, float *out, int threads,
+                      char *scratch, int64_t scratch_bytes) {
+    const job_t j = {q,     q_st,    q_sh,  kpool, vpool,   pool_blocks, bs,     dim,   hkv,   hq,  tables,
+                     table_stride, q_start, q_len, kv_len, rows, scale, softcap, window, split, out};
+    return prefill_run(&j, threads, scratch, scratch_bytes, 0);
 }
 #endif
 
@@ -1074,7 +1295,7 @@ int paged_attention_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint1
                kv_len, rows, scale, softcap, window, split, out, threads, 1);
 }
 
-#if !defined(__AVX512F__)
+#if !(defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
 int paged_prefill_available(void) { return 0; }
 
 int64_t paged_prefill_scratch(int dim, int split) { return 0; }
@@ -1084,7 +1305,7 @@ int paged_prefill_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_
                        int64_t table_stride, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
                        int rows, float scale, float softcap, int window, int split, float *out, int threads,
                        char *scratch, int64_t scratch_bytes) {
-    return -1; /* this CPU (or compiler target) has no AVX-512: the torch path */
+    return -1; /* this CPU (or compiler target) has neither AVX-512 nor AVX2 with FMA: the torch path */
 }
 
 int paged_prefill_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kpool, const float *vpool,

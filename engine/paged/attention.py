@@ -8,8 +8,8 @@ this step and how many of its tokens are new. The model runs on its own modeling
   rows' slots (one ``index_copy_`` per side) and hands them back;
 * the attention function ``paged_attention`` (registered as ``ATTENTION_NAME``) reads each row's keys and values
   from the pool where they lie: rows with few new tokens (decoding) through the C kernel, in place; rows with
-  several in steps of several rows (prefill chunks beside decoding rows, a CPU with AVX-512; bf16 with
-  AVX512-BF16) through the kernel's prefill path, in place too; other rows with many (a prompt alone in its step),
+  several in steps of several rows (prefill chunks beside decoding rows, a CPU with AVX-512 or AVX2 and FMA;
+  bf16 with AVX512-BF16) through the kernel's prefill path, in place too; other rows with many (a prompt alone in its step),
   or where the kernel is unavailable, gathered and run through SDPA (or, with a logit soft-cap, the eager formula).
 
 The model computes no mask (transformers makes none for an attention implementation it has no mask function
@@ -41,6 +41,11 @@ PREFILL_BF16 = True  # ... and its rows of several new tokens by AVX512-BF16 dot
 PREFILL_MIN_QUERIES = 4  # bf16 rows with at least this many new tokens take that prefill path (faster from 4 on)
 PREFILL_F32 = True  # float32 rows of several new tokens in steps of several rows: the kernel's fp32 prefill path
 PREFILL_MIN_QUERIES_F32 = 4  # ... from this many new tokens (bench_agent_attention); a lone row keeps SDPA
+# the prefill path's 8-lane build (AVX2, no AVX-512) takes rows of at most this many new tokens; longer ones go to the
+# torch path, which was faster in place there (Zen 3, fp32 agent shape, engine only: x0.90 req/s with every row on
+# the prefill path; one chunk of 16 / 32 / 64 / 256 over 1,536 cached: 1.6 / 2.8 / 4.7-5.4 / 15.5 ms against SDPA's
+# 2.2 / 3.2 / 4.7-5.9 / 12.5-14 ms, bench_agent_attention)
+PREFILL_MAX_QUERIES_8LANE = 32
 TWO_QUERIES_BF16 = True  # a bf16 decoding row on the torch path beside other rows runs SDPA on its query twice
 
 _current: contextvars.ContextVar[StepBatch | None] = contextvars.ContextVar("prefixcache_step", default=None)
@@ -147,9 +152,10 @@ class StepBatch:
         device = pool.device
         lib = kernel.load() if use_kernel and device.type == "cpu" and _kernel_dtype(pool.dtype, len(rows)) else None
         least = _prefill_from(lib, pool.dtype, len(rows))
+        most = PREFILL_MAX_QUERIES_8LANE if lib is not None and kernel.prefill_8lane(lib) else math.inf
         prows, krows, trows = [], [], []  # each row to one path: the prefill path, the decode path, or torch
         for i, r in enumerate(rows):
-            if r.q_len >= least:
+            if least <= r.q_len <= most:
                 prows.append(i)
             elif lib is not None and r.q_len <= KERNEL_MAX_QUERIES:
                 krows.append(i)

@@ -1,6 +1,6 @@
 """The engine's C libraries, built with the system C compiler on first use and loaded with ctypes: the attention
-kernel (``_paged_attention.c``: its decode path, and its prefill paths where the compiler targets AVX-512, bf16
-with AVX512-BF16; ``load()``), the fused element-wise ops (``_fused_ops.c``, ``load_fused()``; used by
+kernel (``_paged_attention.c``: its decode path, and its prefill paths where the compiler targets AVX-512 or
+AVX2 with FMA, bf16 with AVX512-BF16; ``load()``), the fused element-wise ops (``_fused_ops.c``, ``load_fused()``; used by
 ``engine.paged.fused``) and the linears of a few rows (``_small_linear.c``, ``load_small_linear()``; used by
 ``engine.paged.linear``).
 
@@ -151,9 +151,14 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def prefill_available(lib: ctypes.CDLL, dtype: torch.dtype) -> bool:
     """Whether the library was built with its prefill path for pools of ``dtype``: float32 where the compiler
-    targets AVX-512, bfloat16 where it targets AVX512-BF16 too."""
+    targets AVX-512 or AVX2 with FMA, bfloat16 where it targets AVX512-BF16 too."""
     built = int(lib.paged_prefill_available())
     return bool(built & 1) if dtype == torch.float32 else bool(built & 2) if dtype == torch.bfloat16 else False
+
+
+def prefill_8lane(lib: ctypes.CDLL) -> bool:
+    """Whether the library's prefill path is its 8-lane (AVX2) build, not the AVX-512 one."""
+    return bool(int(lib.paged_prefill_available()) & 4)
 
 
 def _declare_fused(lib: ctypes.CDLL) -> None:

@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     assert pair is not None
     for side in pair:
         side.normal_()
-    default_max, default_from = att.KERNEL_MAX_QUERIES, att._prefill_from
+    default_max, default_from, default_8lane = att.KERNEL_MAX_QUERIES, att._prefill_from, att.PREFILL_MAX_QUERIES_8LANE
 
     def once(q: torch.Tensor, kv: int, path: str) -> tuple[float, torch.Tensor]:
         """One row of q's new tokens over kv keys through ``path``: the kernel's "decode" or "prefill" path (as the
@@ -82,11 +82,13 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         row = att.Row(0, q.shape[2], kv, list(range(-(-kv // bs))))
         att.KERNEL_MAX_QUERIES = 10**9  # the decode path for a row of any length (the engine: at most default_max)
         att._prefill_from = lambda lib, dtype, rows: 1 if path == "prefill" else math.inf
+        att.PREFILL_MAX_QUERIES_8LANE = 10**9  # the prefill path's 8-lane build too, for rows of any length
         try:
             batch = att.StepBatch.make(pool, [row], use_kernel=path != "torch")
             assert bool(batch.prefill_rows) == (path == "prefill") and bool(batch.kernel_rows) == (path == "decode")
         finally:
             att.KERNEL_MAX_QUERIES, att._prefill_from = default_max, default_from
+            att.PREFILL_MAX_QUERIES_8LANE = default_8lane
         batch.layer = 0
         token = att._current.set(batch)
         try:
@@ -110,8 +112,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             d_ms, d_out = once(q, kv, "decode")
             p_ms, p_out = once(q, kv, "prefill") if prefill_built else (None, None)
             t_ms, t_out = once(q, kv, "torch")
-            path = "prefill" if prefill_built and n >= least else "decode"
-            k_ms, k_out = (p_ms, p_out) if path == "prefill" else (d_ms, d_out)
+            most = att.PREFILL_MAX_QUERIES_8LANE if prefill_built and kernel.prefill_8lane(lib) else math.inf
+            path = "prefill" if prefill_built and least <= n <= most else "decode"
+            if path == "decode" and n > att.KERNEL_MAX_QUERIES:
+                path = "torch"  # past the 8-lane prefill path's rows: the engine gathers and runs SDPA
+            k_ms, k_out = {"prefill": (p_ms, p_out), "decode": (d_ms, d_out), "torch": (t_ms, t_out)}[path]
             assert k_ms is not None and k_out is not None
             differ = k_out != t_out
             rows.append(

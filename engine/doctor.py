@@ -1,5 +1,5 @@
-"""``prefixcache doctor``'s findings: the installed versions, and for a model which paths are cached exactly on this
-install, which run uncached, and why.
+"""``prefixcache doctor``'s findings: the installed versions, which builds of the engine's kernels this CPU gets, and
+for a model which paths are cached exactly on this install, which run uncached, and why.
 
 A model is wrapped as a user's would be (``ModelRuntime``, so the check at load runs: ``engine.path_check``) and
 its paged engine is made (its own probe runs); each path's status comes from what those checks decided, never from
@@ -70,5 +70,12 @@ def diagnose(name_or_path: str, *, device: Any = None, dtype: Any = None) -> dic
 
 
 def report(models: list[str], *, device: Any = None, dtype: Any = None) -> dict[str, Any]:
-    """The versions and ``diagnose`` of each of ``models``. Changes nothing."""
-    return {"versions": installed(), "models": [diagnose(m, device=device, dtype=dtype) for m in models]}
+    """The versions, what this CPU gets from the engine's kernels (``kernel.builds``) and ``diagnose`` of each of
+    ``models``. Changes nothing."""
+    from engine.paged.kernel import builds
+
+    return {
+        "versions": installed(),
+        "cpu_kernels": builds(),
+        "models": [diagnose(m, device=device, dtype=dtype) for m in models],
+    }

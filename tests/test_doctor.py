@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 from importlib import metadata
+from pathlib import Path
 
+import pytest
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 from typer.testing import CliRunner
@@ -52,3 +54,29 @@ def test_doctor_refuses_an_unknown_model_in_one_line(tmp_path):
     res = runner.invoke(app, ["doctor", "--model", str(tmp_path / "nowhere")])
     assert res.exit_code == 2
     assert "neither a preset" in res.output
+
+
+def test_doctor_reports_the_kernels_this_cpu_gets(tmp_path):
+    """The kernels' section follows this CPU's flags (/proc/cpuinfo, read here) and oneDNN's own answer: 16 lanes
+    with AVX-512, 8 with AVX2 and FMA; bf16 linears on nn.Linear exactly where oneDNN raises packing them."""
+    from engine.paged import kernel
+
+    found = _doctor(tmp_path, "tiny")
+    kernels = found["cpu_kernels"]
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    if kernel.load() is None:
+        assert "unavailable" in kernels["attention kernel"]
+        return
+    want = "16-lane" if "avx512f" in flags else "8-lane" if {"avx2", "fma"} <= set(flags) else "scalar"
+    assert kernels["attention: decoding rows"].startswith(want)
+    assert kernels["attention: float32 prefill rows"].startswith(want if want != "scalar" else "torch's SDPA")
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+        bf16_packs = True
+    except RuntimeError:
+        bf16_packs = False
+    assert kernels["linears: bfloat16"].startswith("oneDNN") == bf16_packs

@@ -156,6 +156,45 @@ def prefill_available(lib: ctypes.CDLL, dtype: torch.dtype) -> bool:
     return bool(built & 1) if dtype == torch.float32 else bool(built & 2) if dtype == torch.bfloat16 else False
 
 
+def builds() -> dict[str, str]:
+    """What this CPU gets from the engine's C libraries and oneDNN, by part (``prefixcache doctor`` shows it):
+    16-lane (AVX-512) or 8-lane (AVX2 + FMA) builds, the scalar fallback, or why a part is unavailable. Builds the
+    libraries if they are not built yet; changes nothing else."""
+    from engine.paged import attention, linear  # both import this module
+
+    out: dict[str, str] = {}
+    lib = load()
+    if lib is None:
+        out["attention kernel"] = f"unavailable ({unavailable_reason()}): torch's SDPA"
+    else:
+        lanes = "8-lane (AVX2)" if prefill_8lane(lib) else "16-lane (AVX-512)"
+        out["attention: decoding rows"] = (
+            lanes if prefill_available(lib, torch.float32) else "scalar (no AVX2 or AVX-512)"
+        )
+        for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+            if not prefill_available(lib, dtype):
+                why = "no AVX512-BF16" if dtype == torch.bfloat16 else "neither AVX-512 nor AVX2 with FMA"
+                out[f"attention: {name} prefill rows"] = f"torch's SDPA ({why})"
+            elif prefill_8lane(lib):
+                least, most = attention.PREFILL_MIN_QUERIES_F32, attention.PREFILL_MAX_QUERIES_8LANE
+                out[f"attention: {name} prefill rows"] = f"{lanes}, rows of {least}-{most} new tokens; longer: SDPA"
+            else:
+                out[f"attention: {name} prefill rows"] = lanes
+    small = load_small_linear()
+    built = int(small.small_linear_available()) if small is not None else 0
+    for dtype, name, bit in ((torch.float32, "float32", 1), (torch.bfloat16, "bfloat16", 2)):
+        refused = linear.onednn_refuses(dtype)
+        if refused is not None:
+            out[f"linears: {name}"] = f"the model's nn.Linear ({refused})"
+            continue
+        least, most = linear.small_rows_range(small, dtype) if built & bit else (0, -1)
+        kind = "8-lane (AVX2)" if built & linear.AVX2_BUILD else "16-lane (AVX-512)"
+        out[f"linears: {name}"] = (
+            f"oneDNN, packed; {least}-{most} rows: the small-row kernel, {kind}" if most >= least else "oneDNN, packed"
+        )
+    return out
+
+
 def prefill_8lane(lib: ctypes.CDLL) -> bool:
     """Whether the library's prefill path is its 8-lane (AVX2) build, not the AVX-512 one."""
     return bool(int(lib.paged_prefill_available()) & 4)

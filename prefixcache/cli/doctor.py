@@ -22,6 +22,11 @@ def _tables(found: dict[str, Any]) -> list[Any]:
     for name, version in found["versions"].items():
         versions.add_row(name, version)
     out: list[Any] = [versions]
+    if found.get("cpu_kernels"):
+        kernels = Table("part", "on this CPU", title="the engine's kernels")
+        for part, how in found["cpu_kernels"].items():
+            kernels.add_row(part, how)
+        out.append(kernels)
     for m in found["models"]:
         t = Table(
             "path",

@@ -73,27 +73,9 @@ static inline void block_bf16(const uint16_t *x, int64_t ldx, const int M, const
     case 14: CALL(14) case 15: CALL(15) default: CALL(16)                                                             \
     }
 
-/* One work item: output block nb for every group of up to MAX_ROWS rows, in turn. The first group streams the
- * block's weights from memory; the others find them in cache (a block is K/2 (bf16) or K lines of 64 bytes: 24 KiB
- * to 96 KiB at K = 768 to 3,072), so the weights are still read from memory once. */
-#define F32_CALL(MM) block_f32(x + (int64_t)g * ldx, ldx, MM, wp, K, bias, nb, y + (int64_t)g * ldy, ldy); break;
 #define BF16_CALL(MM) block_bf16(x + (int64_t)g * ldx, ldx, MM, wp, K, bias, nb, y + (int64_t)g * ldy, ldy); break;
 
-/* y[m][n] (row stride ldy) = sum over k of x[m][k] (row stride ldx) * W[n][k], plus bias[n] (float32; NULL: none),
- * for M rows, 1 <= M <= MAX_M, N a multiple of 16. Returns 0, or -1 for shapes it does not take. */
-int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,
-                     int64_t ldy, int threads) {
-    if (N % 16 || K < 1 || M < 1 || M > MAX_M) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int nb = 0; nb < N / 16; nb++)
-        for (int g = 0; g < M; g += MAX_ROWS) {
-            const int mm = M - g < MAX_ROWS ? M - g : MAX_ROWS;
-            ROWS_CASES(F32_CALL)
-        }
-    return 0;
-}
-
-/* The same for bfloat16 x, packed W and y; K even. */
+/* small_linear_f32 (below) for bfloat16 x, packed W and y; K even. */
 int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp, int N, int K, const float *bias,
                       uint16_t *y, int64_t ldy, int threads) {
     if (!BF16_BUILT || N % 16 || K % 2 || K < 2 || M < 1 || M > MAX_M) return -1;
@@ -106,7 +88,7 @@ int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp,
     return 0;
 }
 
-int small_linear_available(void) { return 1 | (BF16_BUILT ? 2 : 0); }
+#define AVX2_LINEAR 0
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -139,8 +121,27 @@ static inline __attribute__((always_inline)) void block_f32(const float *x, int6
     }
 }
 
+#define ROWS_CASES(CALL)                                                                                              \
+    switch (mm) {                                                                                                     \
+    case 1: CALL(1) case 2: CALL(2) case 3: CALL(3) case 4: CALL(4) case 5: CALL(5) default: CALL(6)               \
+    }
+
+int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp, int N, int K, const float *bias,
+                      uint16_t *y, int64_t ldy, int threads) {
+    return -1; /* no AVX512-BF16: bf16 keeps the model's own linears */
+}
+#define BF16_BUILT 0
+#define AVX2_LINEAR 1
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* One work item: output block nb for every group of up to MAX_ROWS rows, in turn. The first group streams the
+ * block's weights from memory; the others find them in cache (a block is K/2 (bf16) or K lines of 64 bytes: 24 KiB
+ * to 96 KiB at K = 768 to 3,072), so the weights are still read from memory once. */
 #define F32_CALL(MM) block_f32(x + (int64_t)g * ldx, ldx, MM, wp, K, bias, nb, y + (int64_t)g * ldy, ldy); break;
 
+/* y[m][n] (row stride ldy) = sum over k of x[m][k] (row stride ldx) * W[n][k], plus bias[n] (float32; NULL: none),
+ * for M rows, 1 <= M <= MAX_M, N a multiple of 16. Returns 0, or -1 for shapes it does not take. */
 int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,
                      int64_t ldy, int threads) {
     if (N % 16 || K < 1 || M < 1 || M > MAX_M) return -1;
@@ -148,18 +149,13 @@ int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N,
     for (int nb = 0; nb < N / 16; nb++)
         for (int g = 0; g < M; g += MAX_ROWS) {
             const int mm = M - g < MAX_ROWS ? M - g : MAX_ROWS;
-            switch (mm) {
-            case 1: F32_CALL(1) case 2: F32_CALL(2) case 3: F32_CALL(3) case 4: F32_CALL(4) case 5: F32_CALL(5)
-            default: F32_CALL(6)
-            }
+            ROWS_CASES(F32_CALL)
         }
     return 0;
 }
-int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp, int N, int K, const float *bias,
-                      uint16_t *y, int64_t ldy, int threads) {
-    return -1; /* no AVX512-BF16: bf16 keeps the model's own linears */
-}
-int small_linear_available(void) { return 1 | 4; } /* 4: this AVX2 build (linear.AVX2_BUILD) */
+
+/* 1: float32 built; | 2: bfloat16 too (AVX512-BF16); | 4: the AVX2 build (linear.AVX2_BUILD). */
+int small_linear_available(void) { return 1 | (BF16_BUILT ? 2 : 0) | (AVX2_LINEAR ? 4 : 0); }
 
 #else /* neither AVX-512 nor AVX2 with FMA: the caller keeps oneDNN */
 int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,

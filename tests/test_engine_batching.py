@@ -41,6 +41,31 @@ def bare_greedy(arch: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     return tuple(out[0, len(prompt) :].tolist())
 
 
+TIE = 1e-5  # logits this close (relative to the row's largest, at least 1) are a float tie between tokens
+
+
+def assert_bare_greedy(arch: str, prompt: tuple[int, ...], got: list[int], n: int) -> None:
+    """``got`` is the bare model's greedy continuation of ``prompt`` (``n`` tokens) up to float ties: equal to it, or,
+    fed back to the bare model after the prompt, each token's logit within ``TIE`` of its row's largest. A random
+    tiny model has near-ties (top two logits one ulp apart) that any other order of the same sums can flip; from
+    there the two continuations differ, and each later token must still be the bare model's choice given the
+    engine's own tokens."""
+    want = list(bare_greedy(arch, prompt, n))
+    if got == want:
+        return
+    assert len(got) == len(want), (got, want)
+    model = model_of(arch)
+    ids = torch.tensor([list(prompt) + got[:-1]])
+    with torch.no_grad():
+        rows = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 :].double()
+    for i, (row, tok) in enumerate(zip(rows, got, strict=True)):
+        top = float(row.max())
+        assert float(row[tok]) >= top - TIE * max(1.0, abs(top)), (
+            f"token {i}: {tok} is {top - float(row[tok]):.2e} below the bare model's best ({int(row.argmax())}); "
+            f"got {got}, bare greedy {want}"
+        )
+
+
 def bare_logprobs(arch: str, tokens: list[int], score_from: int) -> tuple[list[float], list[bool]]:
     """log P(tokens[i] | tokens[:i]) for i >= score_from, and whether each is the argmax, from one plain forward."""
     model = model_of(arch)

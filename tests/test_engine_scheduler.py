@@ -11,7 +11,7 @@ import torch
 from engine_testutil import rand_tokens
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_engine_batching import assert_idle, bare_greedy, make_engine, step_checked, submit
+from test_engine_batching import assert_bare_greedy, assert_idle, bare_greedy, make_engine, step_checked, submit
 
 from engine.batching.engine import Engine
 from engine.batching.sampling import SamplingParams
@@ -192,13 +192,16 @@ def test_every_step_keeps_the_caps_and_every_row_its_own_max_tokens(w):
     for p, k, sink in zip(prompts, limits, sinks):
         res = sink.result
         assert res is not None and res.error is None
-        assert list(res.output) == list(bare_greedy(ARCH, tuple(p), k))
+        assert_bare_greedy(ARCH, tuple(p), list(res.output), k)  # up to float ties
         assert (res.finish_reason, res.completion_tokens) == ("length", k)
     assert_idle(engine)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @example(sizes=[13, 9, 9, 12], limits=[2, 1, 1, 2, 1, 1], arrive=[0, 1, 1, 0, 0, 0], order="shortest", seed=0)
+# r1's 4th token is a tie in the bare model (top two logits 1.2e-7 apart): on a Zen 3's 8-lane kernels the engine
+# took the other one (CI, 2026-12-07)
+@example(sizes=[10, 11], limits=[1, 4, 1, 1, 1, 1], arrive=[0, 0, 0, 0, 0, 0], order="arrival", seed=0)
 @given(
     sizes=st.lists(st.integers(2, 20), min_size=2, max_size=6),
     limits=st.lists(st.integers(1, 8), min_size=6, max_size=6),
@@ -227,7 +230,7 @@ def test_a_tight_pool_loses_no_request(sizes, limits, arrive, order, seed):
     assert sorted(sinks) == list(range(len(prompts)))
     for i, sink in sinks.items():
         assert sink.result is not None, f"r{i} never finished"
-        assert list(sink.result.output) == list(bare_greedy(ARCH, tuple(prompts[i]), limits[i]))
+        assert_bare_greedy(ARCH, tuple(prompts[i]), list(sink.result.output), limits[i])  # up to float ties
     assert_idle(engine)
 
 

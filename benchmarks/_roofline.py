@@ -69,11 +69,13 @@ def mm_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2, dtype: tor
 def linear_gflops(shapes: list[tuple[int, int, int]], min_s: float = 0.2, dtype: torch.dtype = torch.float32) -> float:
     """GFLOP/s of the engine's packed linears (``PackedLinears``, as a forward uses them) over ``shapes`` (m, k, n):
     ``m`` rows of ``k`` inputs into ``n`` outputs, in ``dtype``, each run for at least ``min_s`` after a warm-up.
-    Where oneDNN cannot pack ``dtype`` here (bf16 without AVX-512), ``nn.Linear`` as the engine then runs it."""
+    Where oneDNN cannot pack ``dtype`` here (bf16 without AVX-512), the small-row kernel alone, or ``nn.Linear``
+    where that has no build for it either, as the engine then runs them."""
+    packs = onednn_refuses(dtype) is None or small_rows_range(kernel.load_small_linear(), dtype)[1] >= 0
     flops = seconds = 0.0
     for m, k, n in shapes:
         layer = torch.nn.Linear(k, n, bias=False).to(dtype)
-        packed = PackedLinears(layer).active() if onednn_refuses(dtype) is None else contextlib.nullcontext()
+        packed = PackedLinears(layer).active() if packs else contextlib.nullcontext()
         x = torch.randn(m, k).to(dtype)
         with torch.inference_mode(), packed:
             layer(x)

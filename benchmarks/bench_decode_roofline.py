@@ -152,11 +152,16 @@ def step_linears(packed: linear.PackedLinears, model: torch.nn.Module, dtype: to
     """Every linear of ``model`` once, in order, over ``rows`` rows (a decode step with a prefill chunk beside it:
     the weights streamed from memory, more than the L3 holds), through the packed linears as a step of several
     sequences runs them (the small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn: the
-    medians of 9 passes each, ms."""
+    medians of 9 passes each, ms. Where oneDNN refuses ``dtype`` (bf16 without AVX-512) the kernel takes every row
+    count and the other way is the model's own ``nn.Linear`` (``baseline``)."""
     mods = linear.linears(model)
     most = linear.small_rows_range(kernel.load_small_linear(), dtype)[1]
+    counts = {24, 48, most, most + 8, 160}
+    base = "oneDNN" if linear.onednn_refuses(dtype) is None else "nn.Linear"
+    if base != "oneDNN" and most >= 0:
+        most = 1 << 30
     found = []
-    for rows in sorted({24, 48, most, most + 8, 160}):
+    for rows in sorted(counts):
         xs = [torch.randn(rows, m.in_features).to(dtype) for m in mods]
         times: dict[str, list[float]] = {"small": [], "onednn": []}
         with torch.inference_mode():
@@ -167,12 +172,12 @@ def step_linears(packed: linear.PackedLinears, model: torch.nn.Module, dtype: to
                         for m, x in zip(mods, xs):
                             m(x)
                         times[way].append(time.perf_counter() - t0)
-        row = {"dtype": str(dtype).split(".")[-1], "rows": rows, "small_row_kernel": rows <= most}
+        row = {"dtype": str(dtype).split(".")[-1], "rows": rows, "small_row_kernel": rows <= most, "baseline": base}
         row |= {f"{way}_ms": 1e3 * statistics.median(t) for way, t in times.items()}
         found.append(row)
         print(
             f"  {row['dtype']} linears over {rows} rows: {row['small_ms']:.1f} ms as a step runs them "
-            f"({'the small-row kernel' if rows <= most else 'oneDNN'}), {row['onednn_ms']:.1f} ms with oneDNN alone"
+            f"({'the small-row kernel' if rows <= most else base}), {row['onednn_ms']:.1f} ms with {base} alone"
         )
     return found
 
@@ -363,7 +368,8 @@ def main() -> None:
             )
         if r["onednn_step_ms"] is not None:
             print(
-                f"  with oneDNN alone for the linears: step {r['onednn_step_ms']:.1f} ms, linears "
+                f"  with {'oneDNN' if linear.onednn_refuses(getattr(torch, r['dtype'])) is None else 'nn.Linear'} "
+                f"alone for the linears: step {r['onednn_step_ms']:.1f} ms, linears "
                 f"{r['onednn_linears_ms']:.1f} ms ({r['onednn_linears_fraction']:.0%} on the weights)"
             )
         print(

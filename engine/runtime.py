@@ -571,7 +571,8 @@ class ModelRuntime:
         if self._linears is None:
             if fast is None and linear.weight_bytes(self.model) > FAST_LINEAR_MAX_BYTES:
                 return None
-            small = linear.weight_bytes(self.model) <= FAST_LINEAR_MAX_BYTES // 2  # its copy fits too
+            # its copy fits too (where oneDNN refuses the dtype, it is the only one)
+            small = linear.kernel_only(self.model) or linear.weight_bytes(self.model) <= FAST_LINEAR_MAX_BYTES // 2
             self._linears = linear.PackedLinears(self.model, small_rows=small)
         return self._linears
 

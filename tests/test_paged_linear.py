@@ -108,7 +108,8 @@ def test_small_row_kernel_against_float64_and_onednn(dtype, monkeypatch):
     """Row counts in ``small_rows_range`` go to the small-row kernel (in groups of 16 rows, 6 in its AVX2 build, over each block of
     outputs): its outputs are as close to a float64 reference as oneDNN's (the same sums in another order), bias
     included; other counts, and any count in a block entered with ``several_rows=False``, keep oneDNN's bits (one
-    row: in bf16 nn.Linear's)."""
+    row: in bf16 nn.Linear's). Where oneDNN refuses the dtype, the kernel takes every count from 2 and the model's
+    nn.Linear the rest."""
     from engine.paged import kernel
 
     lib = kernel.load_small_linear()
@@ -122,10 +123,14 @@ def test_small_row_kernel_against_float64_and_onednn(dtype, monkeypatch):
     assert onednn.small_rows == 0
     eps = torch.finfo(dtype).eps
     least, most = linear.small_rows_range(lib, dtype)
+    counts = {1, 2, 7, 16, 17, 31, 33, most, most + 1}
+    if linear.onednn_refuses(dtype) is not None:  # the kernel alone, for every count from 2
+        assert not any(p is not None for p in packed._packed)  # no oneDNN copy
+        most, counts = 10**6, counts | {300}
     calls = []
     kernel_call = linear.SmallPacked.__call__
     monkeypatch.setattr(linear.SmallPacked, "__call__", lambda self, rows: calls.append(1) or kernel_call(self, rows))
-    for n in sorted({1, 2, 7, 16, 17, 31, 33, most, most + 1}):
+    for n in sorted(counts):
         x = torch.randn(n, 96).to(dtype)
         ref = x.double() @ net.weight.double().t() + net.bias.double()
         with torch.inference_mode():
@@ -207,13 +212,45 @@ def test_onednn_refuses_exactly_where_packing_raises(dtype):
     assert why is None or str(dtype) in why
 
 
-def test_engine_keeps_nn_linear_where_onednn_refuses(monkeypatch):
-    """Where oneDNN cannot pack the model's dtype, the engine runs with the model's own ``nn.Linear``s (no packed
-    copy, no error) and its greedy tokens are the bare model's."""
+def test_engine_runs_the_small_row_kernel_alone_where_onednn_refuses(monkeypatch):
+    """Where oneDNN cannot pack the model's dtype (bf16 on a CPU without AVX-512; simulated here for float32), the
+    engine packs the small-row kernel's copy alone: steps of 2 rows or more go to the kernel, one row to the
+    model's own ``nn.Linear``, and its greedy tokens are the bare model's (up to float ties)."""
+    from test_engine_batching import assert_bare_greedy
+
+    from engine import PrefixCachedModel
+    from tests.engine_testutil import tiny_model
+
+    _small_f32_or_skip()
+    monkeypatch.setattr(linear, "onednn_refuses", lambda dtype: "oneDNN cannot pack (test)")
+    model = tiny_model("llama")
+    assert linear.available(model) is None and linear.kernel_only(model)
+    pcm = PrefixCachedModel(model, max_cached_tokens=512)
+    packed = pcm.runtime._packed()
+    assert packed is not None and packed.small_rows == len(linear.linears(model))
+    assert all(p is None for p in packed._packed) and packed.nbytes == linear.weight_bytes(model)
+    sizes = []
+    kernel_call = linear.SmallPacked.__call__
+    monkeypatch.setattr(
+        linear.SmallPacked, "__call__", lambda self, rows: sizes.append(len(rows)) or kernel_call(self, rows)
+    )
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (21, 9)]
+    outs = pcm.generate_batch(prompts, max_new_tokens=5, do_sample=False)
+    assert sizes and min(sizes) >= 2 and max(sizes) >= 21  # prefill rows and two-row decode steps, all on the kernel
+    for i, p in enumerate(prompts):
+        assert outs[f"req_{i}"].error is None
+        assert_bare_greedy("llama", tuple(p), outs[f"req_{i}"].generated_tokens, 5)
+
+
+def test_engine_keeps_nn_linear_where_onednn_refuses_and_no_kernel_is_built(monkeypatch):
+    """Where oneDNN cannot pack the model's dtype and the small-row kernel has no build for it either, the engine
+    runs with the model's own ``nn.Linear``s (no packed copy, no error) and its greedy tokens are the bare model's."""
     from engine import PrefixCachedModel
     from tests.engine_testutil import tiny_model
 
     monkeypatch.setattr(linear, "onednn_refuses", lambda dtype: "oneDNN cannot pack (test)")
+    monkeypatch.setattr(linear, "small_rows_range", lambda lib, dtype: (0, -1))
     model = tiny_model("llama")
     assert linear.available(model) == "oneDNN cannot pack (test)"
     pcm = PrefixCachedModel(model, max_cached_tokens=512)

@@ -8,6 +8,10 @@ Each shared object goes to ``$PREFIXCACHE_KERNEL_DIR`` (default ``~/.cache/prefi
 of its source, its flags and this CPU, and is rebuilt only when one of those changes. A loader returns None, and
 ``unavailable_reason()`` says why, when there is no compiler or the build fails: the engine then runs its torch
 path (same results, slower). ``PREFIXCACHE_KERNEL=off`` turns both off.
+
+``PREFIXCACHE_KERNEL_MARCH`` (a gcc ``-march`` value, ``x86-64-v3`` say) builds every library for that target instead
+of ``-march=native``: on a CPU with AVX-512 it gives the AVX2 + FMA builds that a CPU without AVX-512 gets, to test
+them (``tests/test_kernel_targets.py``) or time them. The target must run on this CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ FUSED_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", 
 SMALL_LINEAR_SOURCE = Path(__file__).with_name("_small_linear.c")
 _lock = threading.Lock()
 _state: dict[str, tuple[ctypes.CDLL | None, str | None]] = {}  # name: (library, why not)
+
+
+def target_flags(flags: tuple[str, ...], march: str | None = None) -> tuple[str, ...]:
+    """``flags`` for ``march`` (default ``$PREFIXCACHE_KERNEL_MARCH``; unset: ``native``)."""
+    march = march or os.environ.get("PREFIXCACHE_KERNEL_MARCH") or "native"  # a bad value: the build fails, saying so
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in flags)
 
 
 def kernel_dir() -> Path:
@@ -77,7 +87,7 @@ def load() -> ctypes.CDLL | None:
     """The attention kernel's library (built on first use), or None when it cannot be had (see
     ``unavailable_reason``). Import torch first: the library's OpenMP runtime is then torch's own (same soname,
     already loaded)."""
-    return _load("paged_attention", SOURCE, FLAGS, _declare)
+    return _load("paged_attention", SOURCE, target_flags(FLAGS), _declare)
 
 
 # The prefill path's tunings, each off: the plain build that bench_agent_attention times and the tests compare
@@ -85,21 +95,24 @@ def load() -> ctypes.CDLL | None:
 PREFILL_PLAIN = ("PF_HALF=0", "PF_PREFETCH=0", "PF_GROUP=1", "PF_GROUP_VALUES=0", "PF_CONTIG=0", "PF_PVB=0")
 
 
-def load_variant(*defines: str) -> ctypes.CDLL | None:
-    """The attention kernel built with extra ``-D`` macro definitions (``"KV_AHEAD=1"``): a tuning to compare
-    against in a benchmark, cached beside ``load()``'s library (None as ``load()`` gives None)."""
-    name = "paged_attention_" + "_".join(d.replace("=", "") for d in defines)
-    return _load(name, SOURCE, (*FLAGS, *(f"-D{d}" for d in defines)), _declare)
+def load_variant(*defines: str, march: str | None = None) -> ctypes.CDLL | None:
+    """The attention kernel built with extra ``-D`` macro definitions (``"KV_AHEAD=1"``), or for another ``-march``
+    target: a tuning or a build to compare against, cached beside ``load()``'s library (None as ``load()`` gives
+    None, or when that target's build fails)."""
+    name = "paged_attention_" + "_".join([d.replace("=", "") for d in defines] + ([march] if march else []))
+    return _load(name, SOURCE, (*target_flags(FLAGS, march), *(f"-D{d}" for d in defines)), _declare)
 
 
 def load_fused() -> ctypes.CDLL | None:
     """The fused element-wise ops' library (``_fused_ops.c``), or None (``unavailable_reason("fused_ops")``)."""
-    return _load("fused_ops", FUSED_SOURCE, FUSED_FLAGS, _declare_fused)
+    return _load("fused_ops", FUSED_SOURCE, target_flags(FUSED_FLAGS), _declare_fused)
 
 
-def load_small_linear() -> ctypes.CDLL | None:
-    """The few-row linears' library (``_small_linear.c``), or None (``unavailable_reason("small_linear")``)."""
-    return _load("small_linear", SMALL_LINEAR_SOURCE, FLAGS, _declare_small_linear)
+def load_small_linear(march: str | None = None) -> ctypes.CDLL | None:
+    """The few-row linears' library (``_small_linear.c``), or None (``unavailable_reason("small_linear")``);
+    ``march``: built for that ``-march`` target instead (``unavailable_reason(f"small_linear_{march}")``)."""
+    name = f"small_linear_{march}" if march else "small_linear"
+    return _load(name, SMALL_LINEAR_SOURCE, target_flags(FLAGS, march), _declare_small_linear)
 
 
 def unavailable_reason(name: str = "paged_attention") -> str | None:
@@ -184,11 +197,15 @@ def builds() -> dict[str, str]:
     built = int(small.small_linear_available()) if small is not None else 0
     for dtype, name, bit in ((torch.float32, "float32", 1), (torch.bfloat16, "bfloat16", 2)):
         refused = linear.onednn_refuses(dtype)
-        if refused is not None:
-            out[f"linears: {name}"] = f"the model's nn.Linear ({refused})"
-            continue
         least, most = linear.small_rows_range(small, dtype) if built & bit else (0, -1)
         kind = "8-lane (AVX2)" if built & linear.AVX2_BUILD else "16-lane (AVX-512)"
+        if refused is not None:
+            out[f"linears: {name}"] = (
+                f"the small-row kernel, {kind}, {least} rows or more; one row: the model's nn.Linear ({refused})"
+                if most >= least
+                else f"the model's nn.Linear ({refused})"
+            )
+            continue
         out[f"linears: {name}"] = (
             f"oneDNN, packed; {least}-{most} rows: the small-row kernel, {kind}" if most >= least else "oneDNN, packed"
         )

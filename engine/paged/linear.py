@@ -14,11 +14,12 @@ the small-row kernel reads each weight once at 48-53 GB/s, and up to those row c
 prefill chunk beside it) it also beat oneDNN's packed matmul over weights streamed from memory
 (``benchmarks/bench_decode_roofline.py`` times a decode step's linears both ways, and the model's linears over
 24 to 160 rows; measured on an AMD Zen 5 with AVX-512). On a CPU with AVX2 and FMA but no AVX-512 (AMD Zen 2/3,
-most Intel client CPUs) the kernel's AVX2 build computes float32 (the same sums in the same order: the same bits)
-at every row count of a step, up to 256 (``SMALL_ROWS_AVX2``): there oneDNN was slower at all of them; bf16 keeps
-the model's ``nn.Linear``s, since oneDNN's bf16 path needs AVX-512 (``onednn_refuses``). A step of one row
-(``active(several_rows=False)``) keeps oneDNN, whose bits are ``nn.Linear``'s. ``small_rows=False`` (or neither
-AVX-512 nor AVX2) keeps oneDNN for all.
+most Intel client CPUs) the kernel's AVX2 build computes both dtypes (the same sums in the same order as the AVX-512
+build: the same bits) at every row count of a step, up to 256 (``SMALL_ROWS_AVX2``): there oneDNN was slower at all
+of them in float32. oneDNN's bf16 path needs AVX-512 (``onednn_refuses``): where it has none, the kernel takes every
+row count from 2 (no oneDNN copy is made) and the rest go to the model's own ``nn.Linear``. A step of one row
+(``active(several_rows=False)``) keeps oneDNN, or that ``nn.Linear``: oneDNN's bits are ``nn.Linear``'s.
+``small_rows=False`` (or neither AVX-512 nor AVX2) keeps oneDNN for all.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ PACK_HINT = 16  # the batch size oneDNN picks the packed layout for (any batch s
 # row counts the small-row kernel computes, by dtype (fewer or more: oneDNN); past them oneDNN's matmul was as fast
 # or faster (bench_decode_roofline.py's step_linears)
 SMALL_ROWS = {torch.float32: (2, 40), torch.bfloat16: (2, 48)}
-# the kernel's AVX2 build (a CPU without AVX-512: float32 only): oneDNN was slower at every row count it takes, up
-# to a step's 256 (Zen 3, 2 cores, the small preset's 85 linears streamed from memory: 1.2-1.7x at 2 to 40 rows,
-# 1.1-1.3x at 48 to 256; /tmp script in issue 35's note)
-SMALL_ROWS_AVX2 = {torch.float32: (2, 256)}
+# the kernel's AVX2 build (a CPU without AVX-512): oneDNN was slower at every row count it takes, up to a step's 256
+# (Zen 3, 2 cores, the small preset's 85 linears streamed from memory, float32: 1.2-1.7x at 2 to 40 rows, 1.1-1.3x
+# at 48 to 256; /tmp script in issue 35's note); in bf16 oneDNN has no path there (``onednn_refuses``)
+SMALL_ROWS_AVX2 = {torch.float32: (2, 256), torch.bfloat16: (2, 256)}
 AVX2_BUILD = 4  # small_linear_available()'s bit for that build
 
 
@@ -67,7 +68,17 @@ def available(model: PreTrainedModel) -> str | None:
         return "this torch build has no oneDNN"
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # pragma: no cover - old torch
         return "this torch has no mkldnn._linear_pointwise"
-    return onednn_refuses(model.dtype)
+    refused = onednn_refuses(model.dtype)
+    if refused is not None and small_rows_range(kernel.load_small_linear(), model.dtype)[1] < 0:
+        return refused
+    return None  # oneDNN, or (where it refuses the dtype) the small-row kernel alone
+
+
+def kernel_only(model: torch.nn.Module) -> bool:
+    """Whether ``PackedLinears(model)`` would have the small-row kernel alone (oneDNN refuses the model's dtype
+    here): one copy of the weights instead of two."""
+    dtypes = {m.weight.dtype for m in linears(model)}
+    return any(onednn_refuses(d) is not None for d in dtypes)
 
 
 @functools.cache
@@ -94,12 +105,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 class PackedLinears:
-    """Packed copies of the weights of every ``nn.Linear`` of ``model`` (see the module docstring)."""
+    """Packed copies of the weights of every ``nn.Linear`` of ``model`` (see the module docstring): oneDNN's, and
+    the small-row kernel's; where oneDNN refuses a linear's dtype (``onednn_refuses``), the kernel's alone."""
 
     def __init__(self, model: torch.nn.Module, *, small_rows: bool = True) -> None:
         self.model = model
         self._linears = linears(model)
-        self._packed: list[torch.Tensor] = []
+        self._packed: list[torch.Tensor | None] = []  # None: oneDNN refuses that dtype here
         self._small: list[SmallPacked | None] = []
         self._forwards: list[Callable[[torch.Tensor], torch.Tensor]] = []  # made on first use, then kept
         self._use = _Use()  # what those forwards do in the current block
@@ -112,7 +124,7 @@ class PackedLinears:
     def nbytes(self) -> int:
         """Bytes of the packed copies (oneDNN's and the small-row kernel's)."""
         small = sum(s.weight.numel() * s.weight.element_size() for s in self._small if s is not None)
-        return small + sum(p.numel() * p.element_size() for p in self._packed)
+        return small + sum(p.numel() * p.element_size() for p in self._packed if p is not None)
 
     @property
     def seconds(self) -> float:
@@ -126,7 +138,8 @@ class PackedLinears:
 
     @contextmanager
     def onednn_only(self) -> Iterator[None]:
-        """Inside, forwards entered (``active()``) compute every row count on oneDNN: for timing both ways."""
+        """Inside, forwards entered (``active()``) compute every row count on oneDNN (or, where it refuses the
+        dtype, the model's ``nn.Linear``): for timing both ways."""
         self._onednn_only = True
         try:
             yield
@@ -137,7 +150,10 @@ class PackedLinears:
         """Pack every linear's current weight again."""
         with torch.inference_mode(False), torch.no_grad():
             self._packed = [
-                torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_HINT) for m in self._linears
+                None
+                if onednn_refuses(m.weight.dtype) is not None
+                else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_HINT)
+                for m in self._linears
             ]
             self._small = [small_packed(self._small_lib, m) for m in self._linears]
             self.huge_pages = _into_huge_pages([s for s in self._small if s is not None])
@@ -151,7 +167,7 @@ class PackedLinears:
         took 0.16 ms a step on ``small`` when each made 85 closures and nn.Module setattrs."""
         if not self._forwards:
             self._forwards = [
-                _packed_forward(w, m.bias, sm, self._use) for m, w, sm in zip(self._linears, self._packed, self._small)
+                _packed_forward(w, m, sm, self._use) for m, w, sm in zip(self._linears, self._packed, self._small)
             ]
         before, self._use.small = self._use.small, several_rows and not self._onednn_only
         try:
@@ -246,10 +262,15 @@ def small_packed(lib: Any, m: torch.nn.Linear) -> SmallPacked | None:
 
 
 def _packed_forward(
-    weight: torch.Tensor, bias: torch.Tensor | None, small: SmallPacked | None, use: _Use
+    weight: torch.Tensor | None, module: torch.nn.Linear, small: SmallPacked | None, use: _Use
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    linear = torch.ops.mkldnn._linear_pointwise
+    """``module``'s forward through oneDNN's packed ``weight`` (None: oneDNN has none; the module's own forward)
+    and the small-row kernel's ``small``, as ``use`` says."""
+    linear, plain = torch.ops.mkldnn._linear_pointwise, torch.nn.functional.linear
+    bias = module.bias
     least, most = small.rows if small is not None else (0, -1)
+    if weight is None and small is not None:
+        most = 1 << 62  # no oneDNN: the kernel takes every row count it can
     clock = time.perf_counter
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -262,6 +283,10 @@ def _packed_forward(
             if out is not None:
                 use.seconds += clock() - t0
                 return out.view(*shape[:-1], out.shape[-1])
+        if weight is None:  # the model's own linear (its current weight)
+            z = plain(x, module.weight, module.bias)
+            use.seconds += clock() - t0
+            return z
         m = rows_bucket(n)
         if m != n:  # zero rows up to the bucket, dropped after
             rows = torch.cat([rows, rows.new_zeros(m - n, rows.shape[1])])

@@ -5,7 +5,8 @@
  * Weights are packed ahead of time (engine/paged/linear.py) so that one 64-byte line holds 16 outputs' weights at
  * one k: float32 [N/16][K][16], bfloat16 [N/16][K/2][16][2] (pairs of k). A work item is one block of 16 outputs: it
  * streams its block's K lines once, each line multiplied into every row's 16 accumulators (an fma per row, or a
- * vdpbf16ps per row: each bf16 product exact in float32, sums in float32), so the weights are read once whatever
+ * vdpbf16ps per row: each bf16 product exact in float32, sums in float32; without AVX512-BF16 the pairs widened to
+ * float32 and two fmas, in vdpbf16ps's order, block_bf16 below), so the weights are read once whatever
  * the row count, and the rows' accumulators stay in registers. Each stream is prefetched PREFETCH lines ahead: the
  * hardware prefetcher alone left a decode step's linears at about 36 GB/s here, oneDNN's too.
  * Sums run over k in order, one float32 accumulator per output (per pair of k for bf16), bias added last, then one

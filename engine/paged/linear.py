@@ -19,7 +19,9 @@ build: the same bits) at every row count of a step, up to 256 (``SMALL_ROWS_AVX2
 of them in float32. oneDNN's bf16 path needs AVX-512 (``onednn_refuses``): where it has none, the kernel takes every
 row count from 2 (no oneDNN copy is made) and the rest go to the model's own ``nn.Linear``. A step of one row
 (``active(several_rows=False)``) keeps oneDNN, or that ``nn.Linear``: oneDNN's bits are ``nn.Linear``'s.
-``small_rows=False`` (or neither AVX-512 nor AVX2) keeps oneDNN for all.
+Without AVX512-BF16 (AVX2, or AVX-512 on Intel Skylake to Ice Lake servers) the kernel's bf16 widens the weights'
+pairs and sums them as ``vdpbf16ps`` does: the same bits as with it. ``small_rows=False`` (or neither AVX-512 nor
+AVX2) keeps oneDNN for all.
 """
 
 from __future__ import annotations

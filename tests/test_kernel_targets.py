@@ -3,10 +3,12 @@
 AVX512-BF16: Intel servers Skylake to Ice Lake) through ``kernel.target_flags`` (``PREFIXCACHE_KERNEL_MARCH``), they
 pass the kernels' own tests with oneDNN held to what such a CPU has (``ONEDNN_MAX_CPU_ISA``; at AVX2 it packs no
 bf16, so bf16 linears run on the small-row kernel alone); and their bf16 small-row linears, which widen the pairs
-instead of vdpbf16ps, give the AVX512-BF16 build's bits. Elsewhere the kernels' tests run this CPU's own builds."""
+instead of vdpbf16ps, give the AVX512-BF16 build's bits; and with oneDNN's bf16 emulated, a bf16 model still gets
+its engine (``runner.own_difference``). Elsewhere the kernels' tests run this CPU's own builds."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.paged import kernel, linear
+from engine.paged import kernel, linear, runner
 
 AVX2 = "x86-64-v3"
 # target: (oneDNN's and torch's ISA there, small_linear_available(), whether the attention's prefill path is the
@@ -84,3 +86,28 @@ def test_the_kernels_tests_pass_with_the_builds_for_another_cpu(march):
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_a_bf16_engine_where_onednn_emulates_bf16():
+    """With oneDNN held to AVX-512 without its bf16 instructions (Intel Skylake to Ice Lake servers), its bf16
+    results depend on a call's row count, so the model's own forward in the probe's two chunks moves from its one
+    pass by about a bf16 ulp, and the paged probe by as much: the engine takes that as its bar (``own_difference``)
+    and is made, where the 1e-3 tolerance alone refused it."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI")
+    script = (
+        "import json, torch\n"
+        "from engine import PrefixCachedModel\n"
+        "from engine.paged import runner\n"
+        "pcm = PrefixCachedModel.from_pretrained('small', dtype=torch.bfloat16, max_cached_tokens=1024)\n"
+        "rt = pcm.runtime\n"
+        "with rt.cache.borrowed_blocks(4) as blocks:\n"
+        "    probe = runner.probe_difference(pcm.model, rt.pool, blocks)\n"
+        "    own = runner.own_difference(pcm.model, rt.pool, blocks)\n"
+        "print(json.dumps({'probe': probe, 'own': own, 'engine': rt.engine() is not None}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["own"] is not None and got["own"] > runner.PROBE_TOLERANCE, got  # the library moves by itself
+    assert runner.PROBE_TOLERANCE < got["probe"] <= runner.OWN_DIFFERENCE_SLACK * got["own"], got
+    assert got["engine"], got

@@ -187,6 +187,50 @@ def test_a_paged_probe_that_fails_turns_the_engine_off_with_the_versions(monkeyp
     assert out["req_0"].generated_tokens == ref[0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize("own", [7e-3, 3e-3, None])
+def test_a_probe_past_the_tolerance_is_held_to_the_models_own_chunked_difference(monkeypatch, own):
+    """A probe over 1e-3 still gets the engine where the model's own forward in the same two chunks moves from its
+    one pass by at least half as much (a library whose results depend on the row count: an uncached run moves as
+    much); otherwise, or where that cannot be measured, the engine is off and the reason gives both figures."""
+    from engine import runtime
+
+    monkeypatch.setattr(runtime, "probe_difference", lambda *a, **k: 8e-3)
+    calls = []
+    monkeypatch.setattr(runtime, "own_difference", lambda *a, **k: calls.append(1) or own)
+    pcm = PrefixCachedModel(tiny_model("llama"), max_cached_tokens=512, block_size=4)
+    made = pcm.runtime.engine() is not None
+    assert calls == [1]
+    assert made == (own == 7e-3)
+    reason = pcm.runtime.engine_unsupported_reason
+    if made:
+        assert reason is None
+    else:
+        assert reason is not None and "8.0e-03" in reason
+        assert ("its own forward in the same two chunks differs by 3.0e-03" in reason) == (own is not None)
+
+
+def test_the_models_own_chunked_difference_is_measured_on_the_probes_prompt():
+    """``own_difference`` is the model's own two-chunk forward against its one pass, on the probe's prompt: for an
+    fp32 model on oneDNN, float rounding; for one whose forward depends on how many tokens a call has (a
+    simulated library), that dependence."""
+    from engine.paged.runner import own_difference
+
+    model = tiny_model("llama")
+    pcm = PrefixCachedModel(model, max_cached_tokens=512, block_size=4)
+    rt = pcm.runtime
+    with rt.cache.borrowed_blocks(4) as blocks:
+        base = own_difference(model, rt.pool, blocks)
+        assert base is not None and base < 1e-5
+        head = model.lm_head
+        plain = head.forward
+        head.forward = lambda x: plain(x) * (1.0 + 0.01 * (x.shape[1] == 2))  # calls of 2 tokens: 1% larger
+        try:
+            moved = own_difference(model, rt.pool, blocks)
+        finally:
+            del head.forward
+    assert moved is not None and moved > 5e-3  # the last token's logits come from a 2-token call
+
+
 def test_a_check_failing_after_a_dtype_change_closes_the_tier_and_runs_uncached(tmp_path, monkeypatch):
     from engine import path_check
 

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 PROBE_TOLERANCE = 1e-3  # max |logit difference| of the probe forward, relative to the logits' scale
+# ... or this many times the model's own difference between the probe's two chunks and one pass (own_difference)
+OWN_DIFFERENCE_SLACK = 2.0
 _registered = threading.Lock()
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
@@ -167,20 +169,53 @@ def probe_difference(
     pool, which the caller owns and may find overwritten; a hybrid model's state in slot ``slot`` of ``states``)
     and one plain forward, relative to the logits' scale. The first chunk takes logits at every position, the second
     at its last only (the last layer then computes that row alone: ``LastLayerRows``)."""
-    bs = pool.block_size
-    n = min(len(blocks) * bs, 2 * bs + 3)
-    gen = torch.Generator().manual_seed(seed)
-    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
-    ids = torch.randint(0, vocab, (n,), generator=gen)
+    ids, cut = _probe_prompt(model, pool, blocks, seed)
+    n = len(ids)
     runner = PagedRunner(model, pool, use_kernel=use_kernel, states=states)
-    cut = max(1, n - 2)
     first = runner.batch([Row(0, cut, cut, blocks)])
     got_a = runner.forward(first, ids[:cut], torch.arange(cut), [Segment(0, cut, slot, False)])
     second = runner.batch([Row(0, n - cut, n, blocks)])
     got_b = runner.forward(second, ids[cut:], torch.tensor([n - cut - 1]), [Segment(0, n - cut, slot, True)])
     got = torch.cat([got_a, got_b]).float()
+    return _relative_to_one_pass(model, ids, cut, got.cpu())
+
+
+def own_difference(model: PreTrainedModel, pool: KVPool, blocks: Sequence[int], *, seed: int = 0) -> float | None:
+    """``probe_difference``'s measure for the model's own forward over transformers' ``DynamicCache`` in the probe's
+    two chunks: how far the model itself moves with the shape of its calls. 0 where its kernels give a row the same
+    bits whatever the rows beside it (oneDNN's native bf16 here); about a bf16 ulp where a library's results depend on
+    the row count (oneDNN emulating bf16 without AVX512-BF16: rows past a block of 16 of a 33-row call differ from
+    a 35-row one's). None where that forward cannot run (a model whose cache is not a plain ``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    from engine.hf_cache import cache_kwarg
+
+    ids, cut = _probe_prompt(model, pool, blocks, seed)
+    dev, name = model.device, cache_kwarg(model)
+    try:
+        with torch.inference_mode():
+            kw = {name: DynamicCache(config=model.config), "use_cache": True}
+            a = model(input_ids=ids[:cut].unsqueeze(0).to(dev), **kw).logits[0]
+            b = model(input_ids=ids[cut:].unsqueeze(0).to(dev), **kw).logits[0]
+    except Exception:  # any model this plain two-call forward does not fit: no figure
+        return None
+    return _relative_to_one_pass(model, ids, cut, torch.cat([a, b[-1:]]).float().cpu())
+
+
+def _probe_prompt(model: PreTrainedModel, pool: KVPool, blocks: Sequence[int], seed: int) -> tuple[torch.Tensor, int]:
+    """The probe's token ids (two blocks and 3 tokens, at most what ``blocks`` hold) and where its second chunk
+    starts."""
+    bs = pool.block_size
+    n = min(len(blocks) * bs, 2 * bs + 3)
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+    return ids, max(1, n - 2)
+
+
+def _relative_to_one_pass(model: PreTrainedModel, ids: torch.Tensor, cut: int, got: torch.Tensor) -> float:
+    """Max |``got`` - the model's one-pass logits| over the rows ``got`` holds (the first chunk's, then the last
+    token's), relative to the logits' scale."""
     with torch.inference_mode():
         ref = model(input_ids=ids.unsqueeze(0).to(model.device)).logits[0].float().cpu()
-    ref = torch.cat([ref[:cut], ref[n - 1 :]])
-    got = got.cpu()
+    ref = torch.cat([ref[:cut], ref[len(ids) - 1 :]])
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1.0))

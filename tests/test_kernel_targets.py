@@ -23,8 +23,8 @@ AVX2 = "x86-64-v3"
 # target: (oneDNN's and torch's ISA there, small_linear_available(), whether the attention's prefill path is the
 # 8-lane one); neither has the bf16 prefill path (AVX512-BF16)
 TARGETS = {
-    AVX2: (("AVX2", "avx2"), 1 | 2 | linear.AVX2_BUILD, True),
-    "skylake-avx512": (("AVX512_CORE", "avx512"), 1 | 2, False),
+    AVX2: (("AVX2", "avx2"), 1 | 2 | linear.AVX2_BUILD | linear.WIDE_BF16, True),
+    "skylake-avx512": (("AVX512_CORE", "avx512"), 1 | 2 | linear.WIDE_BF16, False),
 }
 ROOT = Path(__file__).resolve().parents[1]
 

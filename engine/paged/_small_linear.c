@@ -275,8 +275,9 @@ int small_linear_bf16(const uint16_t *x, int64_t ldx, int M, const uint32_t *wp,
 }
 #endif
 
-/* 1: float32 built; | 2: bfloat16 too (AVX512-BF16); | 4: the AVX2 build (linear.AVX2_BUILD). */
-int small_linear_available(void) { return 1 | (BF16_BUILT ? 2 : 0) | (AVX2_LINEAR ? 4 : 0); }
+/* 1: float32 built; | 2: bfloat16 too; | 4: the AVX2 build (linear.AVX2_BUILD); | 8: its bfloat16 widens the pairs
+ * (no AVX512-BF16: linear.WIDE_BF16). */
+int small_linear_available(void) { return 1 | (BF16_BUILT ? 2 : 0) | (AVX2_LINEAR ? 4 : 0) | (WIDE_BF16 ? 8 : 0); }
 
 #else /* neither AVX-512 nor AVX2 with FMA: the caller keeps oneDNN */
 int small_linear_f32(const float *x, int64_t ldx, int M, const float *wp, int N, int K, const float *bias, float *y,

@@ -20,7 +20,8 @@ of them in float32. oneDNN's bf16 path needs AVX-512 (``onednn_refuses``): where
 row count from 2 (no oneDNN copy is made) and the rest go to the model's own ``nn.Linear``. A step of one row
 (``active(several_rows=False)``) keeps oneDNN, or that ``nn.Linear``: oneDNN's bits are ``nn.Linear``'s.
 Without AVX512-BF16 (AVX2, or AVX-512 on Intel Skylake to Ice Lake servers) the kernel's bf16 widens the weights'
-pairs and sums them as ``vdpbf16ps`` does: the same bits as with it. ``small_rows=False`` (or neither AVX-512 nor
+pairs and sums them as ``vdpbf16ps`` does: the same bits as with it; on such an AVX-512 CPU oneDNN's bf16 is emulated
+and slower, so the kernel takes 2 to 256 rows there (``SMALL_ROWS_WIDE_BF16``). ``small_rows=False`` (or neither AVX-512 nor
 AVX2) keeps oneDNN for all.
 """
 
@@ -49,14 +50,20 @@ SMALL_ROWS = {torch.float32: (2, 40), torch.bfloat16: (2, 48)}
 # at 48 to 256; /tmp script in issue 35's note); in bf16 oneDNN has no path there (``onednn_refuses``)
 SMALL_ROWS_AVX2 = {torch.float32: (2, 256), torch.bfloat16: (2, 256)}
 AVX2_BUILD = 4  # small_linear_available()'s bit for that build
+# the AVX-512 build on a CPU without AVX512-BF16, whose bf16 widens the pairs: oneDNN's bf16 there is emulated and was
+# 2.3-2.5x slower at every row count up to 256 (Zen 4 held to AVX512_CORE_VNNI, the small preset's 85 linears
+# streamed from memory: 48 rows 64.9 against 165.2 ms, 256 rows 346.7 against 796.8; /tmp script in issue 35's note)
+SMALL_ROWS_WIDE_BF16 = {torch.float32: SMALL_ROWS[torch.float32], torch.bfloat16: (2, 256)}
+WIDE_BF16 = 8  # small_linear_available()'s bit for a bf16 that widens the pairs (AVX2, or AVX-512 without BF16)
 
 
 def small_rows_range(lib: Any, dtype: torch.dtype) -> tuple[int, int]:
-    """The row counts the small-row kernel of ``lib`` computes in ``dtype`` (``SMALL_ROWS`` or, for its AVX2 build,
-    ``SMALL_ROWS_AVX2``); (0, -1): none."""
+    """The row counts the small-row kernel of ``lib`` computes in ``dtype`` (``SMALL_ROWS``; for its AVX2 build
+    ``SMALL_ROWS_AVX2``, for its AVX-512 build without AVX512-BF16 ``SMALL_ROWS_WIDE_BF16``); (0, -1): none."""
     if lib is None:
         return (0, -1)
-    table = SMALL_ROWS_AVX2 if int(lib.small_linear_available()) & AVX2_BUILD else SMALL_ROWS
+    built = int(lib.small_linear_available())
+    table = SMALL_ROWS_AVX2 if built & AVX2_BUILD else SMALL_ROWS_WIDE_BF16 if built & WIDE_BF16 else SMALL_ROWS
     return table.get(dtype, (0, -1))
 
 

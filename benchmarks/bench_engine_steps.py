@@ -2,7 +2,9 @@
 
     python benchmarks/bench_engine_steps.py [--model small] [--clients 8] [--chats 16] [--max-step-tokens 256]
                                             [--block-size 16] [--runs 1] [--workload chat|agent]
-                                            [--dtype float32|bfloat16] [--ab torch-prefill|plain-prefill|no-huge-pages|all-rows|hf-layers|onednn-linears]
+                                            [--dtype float32|bfloat16]
+                                            [--ab torch-prefill|plain-prefill|l1-prefetch|no-huge-pages|all-rows|
+                                                  hf-layers|onednn-linears]
                                             [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
@@ -30,6 +32,7 @@ the whole workload is played N times, each on a fresh model and engine: the JSON
 memory (``engine.malloc``), as in ``prefixcache serve``. ``--ab X``: each run is followed by one without X, so
 its effect is a ratio from one run (JSON ``ab``, ``ab_runs``, ``this_over_ab``): ``plain-prefill``, the attention
 kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``; the same outputs, bit for bit);
+``l1-prefetch``, the kernel asking for keys and values into L1 rather than L2 (``kernel.L1_PREFETCH``; the same bits);
 ``no-huge-pages``, the KV pool and the small-row weights in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``);
 ``all-rows``, the last layer's output projection and MLP over every row, not only the rows whose logits are kept
 (``PREFIXCACHE_LAST_ROWS=off``); ``hf-layers``, transformers' own decoder-layer forwards instead of the lean ones
@@ -277,18 +280,32 @@ def main() -> None:
 
 
 @contextmanager
-def plain_prefill() -> Iterator[None]:
-    """The engine's attention kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``) inside."""
+def kernel_variant(defines: tuple[str, ...], flag: str) -> Iterator[None]:
+    """The engine's attention kernel built with ``defines`` (``kernel.load_variant``) inside."""
     from engine.paged import kernel
 
-    if kernel.load_variant(*kernel.PREFILL_PLAIN) is None:
-        raise SystemExit(f"--ab plain-prefill: the kernel did not build ({kernel.unavailable_reason()})")
+    if kernel.load_variant(*defines) is None:
+        raise SystemExit(f"--ab {flag}: the kernel did not build ({kernel.unavailable_reason()})")
     default = kernel.load
-    kernel.load = lambda: kernel.load_variant(*kernel.PREFILL_PLAIN)  # type: ignore[assignment]
+    kernel.load = lambda: kernel.load_variant(*defines)  # type: ignore[assignment]
     try:
         yield
     finally:
         kernel.load = default  # type: ignore[assignment]
+
+
+def plain_prefill() -> contextlib.AbstractContextManager[None]:
+    """The engine's attention kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``) inside."""
+    from engine.paged import kernel
+
+    return kernel_variant(kernel.PREFILL_PLAIN, "plain-prefill")
+
+
+def l1_prefetch() -> contextlib.AbstractContextManager[None]:
+    """The engine's attention kernel asking for keys and values into L1 (``kernel.L1_PREFETCH``) inside."""
+    from engine.paged import kernel
+
+    return kernel_variant(kernel.L1_PREFETCH, "l1-prefetch")
 
 
 @contextmanager
@@ -355,6 +372,7 @@ def torch_prefill() -> Iterator[None]:
 AB = {
     "torch-prefill": torch_prefill,
     "plain-prefill": plain_prefill,
+    "l1-prefetch": l1_prefetch,
     "no-huge-pages": no_huge_pages,
     "all-rows": all_rows,
     "hf-layers": hf_layers,

@@ -221,12 +221,14 @@ def test_kernel_is_available_with_a_compiler():
     assert kernel.load() is not None, kernel.unavailable_reason()
 
 
+@pytest.mark.parametrize("defines", [("KV_AHEAD=1",), kernel.L1_PREFETCH])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefetch_distance_changes_no_output(dtype):
-    """The decode path asks for keys ``KV_AHEAD`` blocks ahead; built to ask one block ahead (``load_variant``, as
-    ``bench_decode_roofline.py`` times it) it computes the same bits: rows of scattered blocks, one query each, a
-    sliding window whose first key lies inside a block, and a row shorter than the prefetch distance."""
-    lib, near = kernel.load(), kernel.load_variant("KV_AHEAD=1")
+def test_prefetch_distance_changes_no_output(dtype, defines):
+    """The decode path asks for keys ``KV_AHEAD`` blocks ahead, into L2 (``KV_HINT``); built to ask one block ahead,
+    or into L1 (``load_variant``, as ``bench_decode_roofline.py`` times them) it computes the same bits: rows of
+    scattered blocks, one query each, a sliding window whose first key lies inside a block, and a row shorter than
+    the prefetch distance."""
+    lib, near = kernel.load(), kernel.load_variant(*defines)
     if lib is None or near is None:
         pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
     gen = torch.Generator().manual_seed(0)
@@ -261,6 +263,8 @@ def test_prefetch_distance_changes_no_output(dtype):
     [
         (torch.float32, kernel.PREFILL_PLAIN, 64),
         (torch.bfloat16, kernel.PREFILL_PLAIN, 64),
+        (torch.float32, kernel.L1_PREFETCH, 64),
+        (torch.bfloat16, kernel.L1_PREFETCH, 64),
         (torch.float32, ("PF_NQ_F32=1",), 64),
         (torch.float32, ("PF_NQ_F32=1",), 128),
     ],
@@ -273,7 +277,7 @@ def test_prefill_tunings_change_no_output(dtype, defines, dim):
     (one half tile, one full tile, a full and a half one, several, two groups of tiles) over scattered blocks,
     grouped-query heads, with and without a sliding window whose first key lies inside a block. Likewise fp32's
     values weighted for 6 queries at a time (3 at head dim 128) and the rest in pairs (``PF_NQ_F32``) against one
-    query at a time. The float64 reference checks of the default build are the hypothesis tests above."""
+    query at a time, and the keys and values asked for into L2 against into L1 (``KV_HINT``). The float64 reference checks of the default build are the hypothesis tests above."""
     import ctypes
 
     lib, plain = kernel.load(), kernel.load_variant(*defines)

@@ -162,12 +162,21 @@ static inline __attribute__((always_inline)) void run_item(const job_t *j, int r
 #ifndef KV_AHEAD
 /* How many blocks ahead the decode path asks for a row's keys, across split boundaries. Against one block ahead
  * within a split (8 rows x 1,024 tokens, bf16, one process, interleaved): blocks in order 0.38 -> 0.36 ms per layer,
- * descending 0.57 -> 0.51, scattered 0.72 -> 0.63; 2 and 8 did about as well as 4; prefetching into L2 instead of
- * L1 did not help. */
+ * descending 0.57 -> 0.51, scattered 0.72 -> 0.63; 2 and 8 did about as well as 4 (into L1 then; see KV_HINT). */
 #define KV_AHEAD 4
 #endif
+#ifndef KV_HINT
+/* Where the prefetches ask the lines to go: __builtin_prefetch's locality, 2 (prefetcht1: the core's L2) or 3
+ * (prefetcht0: L1 as well). Into L2, a core keeps more lines in flight than its L1's few miss buffers allow: on an
+ * AMD Zen 4 (8 rows x 1,600 tokens, 12 heads of 64, 12 layers out of cache, the pool in huge pages) the decode path
+ * read fp32 blocks at 19 -> 33 GB/s scattered, 34 -> 39 in shuffled runs of 13, 38 -> 41 in order, bf16 at 16 ->
+ * 29, 25 -> 36 and 32 -> 39 (in 4 KiB pages, fp32: 17 -> 29 scattered); the prefill path, 4 rows of 32 new tokens
+ * over 1,792, 6.2 -> 5.0 ms a layer. Earlier CPUs of this project (before the pool had huge pages) showed no
+ * difference either way. KV_HINT=3 builds the old choice (kernel.L1_PREFETCH). The same bits either way. */
+#define KV_HINT 2
+#endif
 static inline void prefetch_bytes(const void *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, KV_HINT);
 }
 
 /* At key p of an item reading keys lo .. last (p the first key of a block, or of a split): the values of p's block

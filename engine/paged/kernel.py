@@ -93,6 +93,9 @@ def load() -> ctypes.CDLL | None:
 # The prefill path's tunings, each off: the plain build that bench_agent_attention times and the tests compare
 # against (the same bits either way; the macros are described in _paged_attention.c).
 PREFILL_PLAIN = ("PF_HALF=0", "PF_PREFETCH=0", "PF_GROUP=1", "PF_GROUP_VALUES=0", "PF_CONTIG=0", "PF_PVB=0")
+# Both paths asking for their keys and values into L1 (prefetcht0), as the kernel did before KV_HINT's L2 (the same
+# bits; bench_engine_steps --ab l1-prefetch, bench_decode_roofline's blocks_read time it).
+L1_PREFETCH = ("KV_HINT=3",)
 
 
 def load_variant(*defines: str, march: str | None = None) -> ctypes.CDLL | None:

@@ -187,11 +187,16 @@ def test_serve_peers_best_cached_is_the_longest_prefix_sent_before(tmp_path: Pat
     recs = [rec(1, 1, 4.0), rec(0, 1, 2.0), rec(1, 0, 3.0), rec(0, 0, 1.0), rec(0, 0, 5.0, "boom")]
     serve_peers.best_cached(recs, chats, tmp_path)
     best = {(r["chat"], r["turn"], r["t_start"]): r.get("best_cached_tokens") for r in recs}
-    msgs = [{"role": "user", "content": "hello world"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
-    template = best[(1, 0, 3.0)]  # "zzz" shares only the template's opening with what went before
-    assert best[(0, 0, 1.0)] == 0  # the first request: nothing sent before it
+
+    def ids_of(text: str) -> list[int]:
+        msgs = [{"role": "user", "content": text}]
+        return list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    ids, zzz = ids_of("hello world"), ids_of("zzz")
+    template = next(i for i, (a, b) in enumerate(zip(ids, zzz)) if a != b)  # the template's shared opening
     assert template > 0
+    assert best[(1, 0, 3.0)] == template  # "zzz" shares only the template's opening with what went before
+    assert best[(0, 0, 1.0)] == 0  # the first request: nothing sent before it
     assert best[(0, 1, 2.0)] == template + len("hello ")  # byte-level tokens: one per character
     assert best[(1, 1, 4.0)] == len(ids) - 1  # the same prompt again: all but its last token
     assert best[(0, 0, 5.0)] is None  # not answered: no figure (its prompt still counts for later ones)

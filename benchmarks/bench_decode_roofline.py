@@ -15,7 +15,8 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   packed linears (``EngineStats.linears_s``) against the weights' bytes, and the rest (the modeling code's other ops,
   sampling, bookkeeping); each step is followed by one with its linears on oneDNN alone (no small-row kernel,
   ``engine.paged.linear``) and one with transformers' own decoder-layer forwards (``engine.paged.lean``
-  suspended), for the step, linear and rest times each way; and every linear of the model once over
+  suspended) and one with the lean layers' module calls (``engine.paged.decode_layer``'s fast path suspended), for
+  the step, linear and rest times each way; and every linear of the model once over
   24 to 160 rows (a decode step with a short prefill chunk beside it: ``step_linears``), as a step runs them (the
   small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
@@ -89,6 +90,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         times, whole, kv_tokens, attn, lin = [], [], [], [], []
         onednn: dict[str, list[float]] = {"step": [], "linears": []}
         hf_layers: dict[str, list[float]] = {"step": [], "rest": []}
+        modules: dict[str, list[float]] = {"step": [], "rest": []}
         for _ in range(args.steps):
             before, att0, lin0 = st.forward_s, st.attention_s, st.linears_s
             kv_tokens.append(sum(r.computed for r in reqs))
@@ -109,6 +111,11 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 engine.step()
             hf_layers["step"].append(st.forward_s - before)
             hf_layers["rest"].append(st.forward_s - before - (st.attention_s - att0) - (st.linears_s - lin0))
+            with engine.runner.lean.decode_layer_suspended():  # and one with the lean layers' module calls
+                before, att0, lin0 = st.forward_s, st.attention_s, st.linears_s
+                engine.step()
+            modules["step"].append(st.forward_s - before)
+            modules["rest"].append(st.forward_s - before - (st.attention_s - att0) - (st.linears_s - lin0))
     step_lin = step_linears(engine.linears, model, torch_dtype) if engine.linears is not None else []
     per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
     moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]
@@ -146,6 +153,9 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         "lean_layers": len(engine.runner.lean.layers),
         "hf_layers_step_ms": 1e3 * statistics.median(hf_layers["step"]),
         "hf_layers_rest_ms": 1e3 * statistics.median(hf_layers["rest"]),
+        # and with the lean layers' module calls (engine.paged.decode_layer's fast path suspended), interleaved
+        "modules_step_ms": 1e3 * statistics.median(modules["step"]),
+        "modules_rest_ms": 1e3 * statistics.median(modules["rest"]),
     }
 
 
@@ -379,6 +389,10 @@ def main() -> None:
         print(
             f"  with transformers' own layer forwards ({r['lean_layers']} lean layers suspended): step "
             f"{r['hf_layers_step_ms']:.1f} ms, the rest {r['hf_layers_rest_ms']:.1f} ms"
+        )
+        print(
+            f"  with the lean layers' module calls (decode_layer's straight C calls suspended): step "
+            f"{r['modules_step_ms']:.1f} ms, the rest {r['modules_rest_ms']:.1f} ms"
         )
     payload = {
         "model": args.model,

@@ -4,7 +4,7 @@
                                             [--block-size 16] [--runs 1] [--workload chat|agent]
                                             [--dtype float32|bfloat16]
                                             [--ab torch-prefill|plain-prefill|l1-prefetch|no-huge-pages|all-rows|
-                                                  hf-layers|onednn-linears]
+                                                  hf-layers|no-decode-layer|onednn-linears]
                                             [--json FILE]
 
 ``--clients`` closed-loop clients play ``--chats`` multi-turn chats (4 tenants with ~300-token system prompts, 8
@@ -36,7 +36,9 @@ kernel built without its prefill path's tunings (``kernel.PREFILL_PLAIN``; the s
 ``no-huge-pages``, the KV pool and the small-row weights in 4 KiB pages (``PREFIXCACHE_HUGE_PAGES=off``);
 ``all-rows``, the last layer's output projection and MLP over every row, not only the rows whose logits are kept
 (``PREFIXCACHE_LAST_ROWS=off``); ``hf-layers``, transformers' own decoder-layer forwards instead of the lean ones
-(``PREFIXCACHE_LEAN_LAYERS=off``, ``engine.paged.lean``; the same bits); ``onednn-linears``, the packed linears on
+(``PREFIXCACHE_LEAN_LAYERS=off``, ``engine.paged.lean``; the same bits); ``no-decode-layer``, decode steps through
+the lean layers' module calls instead of ``engine.paged.decode_layer``'s straight C calls
+(``PREFIXCACHE_DECODE_LAYER=off``; the same bits); ``onednn-linears``, the packed linears on
 oneDNN at every row count (``linear.small_rows_range`` none: no small-row kernel); ``torch-prefill``, prefill rows
 through the torch path (gather + SDPA) instead of the kernel's prefill path (``attention.PREFILL_F32`` /
 ``PREFILL_BF16`` off).
@@ -336,6 +338,13 @@ def all_rows() -> contextlib.AbstractContextManager[None]:
     return env_off(last_rows.ENV)
 
 
+def no_decode_layer() -> contextlib.AbstractContextManager[None]:
+    """Inside, new engines' decode steps take the lean layers' module calls (``PREFIXCACHE_DECODE_LAYER=off``)."""
+    from engine.paged import lean
+
+    return env_off(lean.DECODE_ENV)
+
+
 def hf_layers() -> contextlib.AbstractContextManager[None]:
     """Inside, new engines run transformers' own decoder-layer forwards (``PREFIXCACHE_LEAN_LAYERS=off``)."""
     from engine.paged import lean
@@ -376,6 +385,7 @@ AB = {
     "no-huge-pages": no_huge_pages,
     "all-rows": all_rows,
     "hf-layers": hf_layers,
+    "no-decode-layer": no_decode_layer,
     "onednn-linears": onednn_linears,
 }
 

@@ -6,6 +6,8 @@
  *   from torch's reduction.
  * - rotary: out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype (apply_rotary_pos_emb):
  *   bit for bit torch's, as long as nothing contracts a multiply and an add into one fma: built -ffp-contract=off.
+ * - kv_write: a step's new keys and values copied into a pool layer at their slots (PagedKV.update's index_copy_,
+ *   in one call for both sides: engine/paged/decode_layer.py).
  * All loops are plain C that the compiler vectorises (-O3 -march=native); rows split across OpenMP threads (torch's
  * own pool: the library links libgomp.so.1, as the attention kernel does) when there are enough of them.
  */
@@ -128,6 +130,24 @@ int fused_rotary(const void *x, const int64_t *xs, const void *cos, const void *
         for (int64_t i = 0; i < items; i++) {
             if (bf) rotary_bt(&j, i / tokens, i % tokens, 1);
             else rotary_bt(&j, i / tokens, i % tokens, 0);
+        }
+    }
+    return 0;
+}
+
+/* The new tokens' keys and values into a pool layer: for token i of `tokens` and head h of `heads`, the `dim`
+ * elements (of `el` bytes) at k + i * k_st + h * k_sh go to kpool + (h * head_elems + slots[i] * dim) * el, and the
+ * values likewise (the pool's [heads][blocks][block_size * dim] layout; slot = block * block_size + offset). A copy:
+ * the same bytes as torch's index_copy_. One thread: a decode step writes a few kilobytes. */
+int kv_write(const void *k, int64_t k_st, int64_t k_sh, const void *v, int64_t v_st, int64_t v_sh, void *kpool,
+             void *vpool, int64_t head_elems, const int64_t *slots, int tokens, int heads, int dim, int el) {
+    const int64_t row = (int64_t)dim * el;
+    for (int i = 0; i < tokens; i++) {
+        const int64_t at = slots[i] * dim;
+        for (int h = 0; h < heads; h++) {
+            const int64_t to = (h * head_elems + at) * el;
+            memcpy((char *)kpool + to, (const char *)k + (i * k_st + h * k_sh) * el, (size_t)row);
+            memcpy((char *)vpool + to, (const char *)v + (i * v_st + h * v_sh) * el, (size_t)row);
         }
     }
     return 0;

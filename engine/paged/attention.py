@@ -124,6 +124,7 @@ class StepBatch:
     prefill_path_s: float = 0.0
     prefill_path_flops: int = 0
     latent_out: torch.Tensor | None = None  # the last multi-head latent attention's output
+    top_slot: int = -1  # the largest of ``slots`` (-1: none)
     # a pool with window layers (``KVPool.window_layers``): their slots for the new tokens, and per row the slots
     # of its blocks (a block without one reads zeros: out of every new token's window)
     window_slots: torch.Tensor | None = None
@@ -170,6 +171,7 @@ class StepBatch:
             trows,
             prows,
         )
+        batch.top_slot = max(slots, default=-1)
         if pool.window_layers:
             batch._windows(rows)
         batch.kernel = KernelRows.of(batch, krows)

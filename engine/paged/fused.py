@@ -143,6 +143,7 @@ def _norm_forward(lib: ctypes.CDLL, m: Any) -> Callable[[torch.Tensor], torch.Te
         )  # fmt: skip
         return out
 
+    forward.__dict__["fused_norm"] = (lib, m)  # for engine.paged.decode_layer, which calls the kernel directly
     return forward
 
 
@@ -218,4 +219,5 @@ def _rotary_function(lib: ctypes.CDLL, original: Any) -> Callable[..., Any]:
             return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         return rotary(lib, q, cos, sin), rotary(lib, k, cos, sin)
 
+    apply_rotary_pos_emb.__dict__["fused_lib"] = lib  # likewise
     return apply_rotary_pos_emb

@@ -238,6 +238,10 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
     lib.fused_rotary.restype = ctypes.c_int
     # x, its strides, cos, sin, their strides, out, its strides, batch, heads, tokens, dim, bf, threads
     lib.fused_rotary.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32]
+    lib.kv_write.restype = ctypes.c_int
+    # k, its token and head strides, v, its strides, k and v pools, elements per pool head, slots, tokens, heads,
+    # dim, bytes per element
+    lib.kv_write.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32]
 
 
 def _declare_small_linear(lib: ctypes.CDLL) -> None:

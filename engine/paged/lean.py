@@ -17,6 +17,10 @@ package's per-model functions unreplaced). At call time the original forward run
 hooks (``LastLayerRows`` prunes the last layer through hooks) or global module hooks exist, when a submodule was
 replaced since (a LoRA layer over a projection), in training mode, or for an argument the lean forward does not
 take. ``PREFIXCACHE_LEAN_LAYERS=off`` keeps transformers' forwards everywhere.
+
+A decode step (every row on the attention kernel's decode path, every linear on the small-row kernel) goes further:
+``decode_layer.fast_forward`` calls the same C functions straight, without the module calls between them (the same
+bits; ``PREFIXCACHE_DECODE_LAYER=off`` keeps the module calls, ``LeanLayers.decode_layer_suspended()`` for a block).
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as nn_module
 
+from engine.paged.decode_layer import fast_forward
 from engine.paged.fused import ROTARY_NAME, source_hash
 from engine.switches import switched_off
 
 ENV = "PREFIXCACHE_LEAN_LAYERS"
+DECODE_ENV = "PREFIXCACHE_DECODE_LAYER"  # off: decode steps take the lean forward's module calls too
 KNOWN_LAYER = {
     "c58bc6a3bd6504f8": "LlamaDecoderLayer.forward (transformers 5.x; Qwen2/3, Mistral, SmolLM3, Starcoder2 copy it)",
 }
@@ -108,9 +114,17 @@ def _kernelized(attn: torch.nn.Module) -> bool:
     return any("forward" in getattr(f, "__dict__", {}) for f in funcs.values())
 
 
-def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
+class _Switch:
+    """Whether the lean forwards of one ``LeanLayers`` may take the decode fast path (read at each call)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+
+def _lean_forward(layer: Any, decode_layer: _Switch | None = None) -> Callable[..., torch.Tensor]:
     """The layer's forward as one function (transformers 5's LlamaDecoderLayer, LlamaAttention and LlamaMLP, in
-    their order); the original for what it does not take."""
+    their order), a decode step through ``decode_layer.fast_forward`` where it fits while ``decode_layer`` is on; the
+    original for what it does not take."""
     original = type(layer).forward.__get__(layer)
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -129,6 +143,8 @@ def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
     home = sys.modules[type(attn).__module__]
     head_dim, layer_idx = attn.head_dim, attn.layer_idx
     window = KNOWN_ATTENTION[source_hash(type(attn).forward) or ""][1]
+    fast = fast_forward(layer, home, window)
+    switch = decode_layer or _Switch(False)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -152,6 +168,10 @@ def _lean_forward(layer: Any) -> Callable[..., torch.Tensor]:
                 hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                 use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
             )  # fmt: skip
+        if switch.on and cache is not None:
+            done = fast(hidden_states, cache, position_embeddings)
+            if done is not None:
+                return done
         residual = hidden_states
         x = norm1.forward(hidden_states)
         # LlamaAttention.forward
@@ -209,7 +229,8 @@ class LeanLayers:
                 self.layers.append(m)
             else:
                 self.reasons.setdefault(type(m).__name__, why)
-        self._forwards = [_lean_forward(m) for m in self.layers]
+        self.decode_layer = _Switch(not switched_off(DECODE_ENV))  # see suspended_decode_layer
+        self._forwards = [_lean_forward(m, self.decode_layer) for m in self.layers]
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -225,6 +246,16 @@ class LeanLayers:
         finally:
             for m in entered:
                 m.__dict__.pop("forward", None)
+
+    @contextmanager
+    def decode_layer_suspended(self) -> Iterator[None]:
+        """Inside, decode steps take the lean forward's module calls, not ``decode_layer``'s fast path (benchmarks
+        compare the two, step by step)."""
+        before, self.decode_layer.on = self.decode_layer.on, False
+        try:
+            yield
+        finally:
+            self.decode_layer.on = before
 
     @contextmanager
     def suspended(self) -> Iterator[None]:

@@ -303,4 +303,10 @@ def _packed_forward(
         use.seconds += clock() - t0
         return y.view(*shape[:-1], y.shape[-1])
 
+    def small_for(n: int) -> SmallPacked | None:
+        """The kernel this forward computes ``n`` rows with now (None: oneDNN or the model's linear)."""
+        return small if small is not None and least <= n <= most and use.small else None
+
+    # for engine.paged.decode_layer, which calls the kernel directly (and adds its time to ``use``)
+    forward.__dict__.update(small_for=small_for, use=use)
     return forward

@@ -1,0 +1,289 @@
+"""A lean layer's decode steps with the Python between its C calls cut to the calls themselves.
+
+On a decode step every heavy op of a Llama-style layer already runs in C: the two RMSNorms and the rotary embedding
+(``fused``), the seven linears (the small-row kernel, ``linear.SmallPacked``) and the attention (the kernel's decode
+path). What was left was the Python around them: module lookups, views and transposes, each wrapper's checks and
+argument lists, the attention function's generic dispatch. On the ``small`` preset (12 layers, 8 rows decoding over
+1,024 tokens, 2 cores) that came to about a quarter of a bf16 step (py-spy; issue 35's note).
+
+``fast_forward(layer)`` gives a function that runs the layer the same way for a step it fits, and returns None for
+any other, so the lean forward goes on as before. It fits when every row of the step takes the kernel's decode path
+(``StepBatch.kernel_rows``; no prefill or torch rows), the layer is not a window layer and passes no window, the
+attention implementation is the paged one, the pool holds this dtype, both norms and the rotary function are the
+fused ones in place now (``FusedOps.active()``), and the small-row kernel takes this many rows for all seven
+linears now (``PackedLinears.active()``). It calls the same C functions on the same inputs in the same order as
+the lean forward does through the modules, so its outputs are the same bits (tests/test_decode_layer.py compares
+them). SiLU and the product stay torch's ops (their bits are torch's). It keeps the engine's timings: the linears'
+seconds, the attention's and the decode path's seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.paged import attention, kernel
+from engine.paged.attention import ATTENTION_NAME, PagedKV, StepBatch
+from engine.paged.fused import ROTARY_NAME
+
+Forward = Callable[[torch.Tensor, Any, tuple[torch.Tensor, torch.Tensor]], "torch.Tensor | None"]
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _small(module: torch.nn.Module, rows: int) -> Any:
+    """The ``SmallPacked`` that ``module``'s packed forward in place would compute ``rows`` rows with, or None."""
+    pick = getattr(module.__dict__.get("forward"), "small_for", None)
+    return pick(rows) if pick is not None else None
+
+
+def _norm(module: torch.nn.Module) -> Any:
+    """(fused library, norm module) when ``module`` runs the fused RMSNorm now, else None."""
+    return getattr(module.__dict__.get("forward"), "fused_norm", None)
+
+
+def _linear(small: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, K] through the small-row kernel (the module's packed forward where the kernel declines)."""
+    y: torch.Tensor | None = small(x)
+    return y if y is not None else module.forward(x)
+
+
+def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
+    """The decode fast path of ``layer`` (a layer ``lean.lean_reason`` accepts; ``home`` its attention's modeling
+    module, ``window`` how its attention passes a sliding window: see ``lean.KNOWN_ATTENTION``)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    mods = [getattr(attn, n) for n in _LINEARS[:4]] + [getattr(mlp, n) for n in _LINEARS[4:]]
+    head_dim, layer_idx, config = attn.head_dim, attn.layer_idx, attn.config
+    clock = time.perf_counter
+    joins: dict[str, Any] = {}  # the joined projections (see _joined)
+
+    def forward(x: torch.Tensor, cache: Any, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        if (
+            torch.is_grad_enabled()
+            or type(cache) is not PagedKV
+            or x.dim() != 3
+            or x.shape[0] != 1
+            or not x.is_contiguous()
+        ):
+            return None
+        b: StepBatch = cache.batch
+        if b.prefill_rows or b.torch_rows or not b.kernel_rows or b.kernel is None or b.windowed(layer_idx):
+            return None
+        if config._attn_implementation != ATTENTION_NAME:
+            return None
+        if window == "module" and attn.sliding_window is not None:
+            return None
+        if window == "config" and getattr(config, "sliding_window", None) is not None:
+            return None
+        pair = b.pool.layer(layer_idx)
+        if pair is None or hasattr(attn, "expand_kv"):
+            return None
+        if b.top_slot >= pair[0].shape[1] * b.pool.block_size or b.slots.numel() != x.shape[1]:
+            return None
+        kpool, vpool = pair
+        dtype, t, n = x.dtype, x.shape[1], x.shape[2]
+        if kpool.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        smalls = [_small(m, t) for m in mods]
+        norms = (_norm(norm1), _norm(norm2))
+        rot_lib = getattr(getattr(home, ROTARY_NAME, None), "fused_lib", None)
+        if any(s is None for s in smalls) or norms[0] is None or norms[1] is None or rot_lib is None:
+            return None
+        cos, sin = position_embeddings
+        if not _rotary_fits(cos, sin, t, head_dim, dtype):
+            return None
+        for _lib, m in norms:
+            if m.weight.dtype != dtype or m.weight.shape != (n,) or not m.weight.is_contiguous():
+                return None
+        hkv = kpool.shape[0]
+        if smalls[1].n != hkv * head_dim or smalls[2].n != hkv * head_dim or smalls[0].n % head_dim:
+            return None
+        hq = smalls[0].n // head_dim
+        if hq % hkv or kpool.shape[2] != b.pool.block_size * head_dim or vpool.shape != kpool.shape:
+            return None
+        bf = int(dtype == torch.bfloat16)
+        threads = torch.get_num_threads()
+        sq, sk, sv, so, sg, su, sd = smalls
+        mq, mk, mv, mo, mg, mu, md = mods
+        use = mq.__dict__["forward"].use
+        qkv, gate_up = _joined(joins, "qkv", (sq, sk, sv)), _joined(joins, "gate_up", (sg, su))
+
+        def norm(which: int, h: torch.Tensor) -> torch.Tensor:
+            lib, m = norms[which]
+            out = torch.empty_like(h)
+            lib.fused_rms_norm(h.data_ptr(), n, m.weight.data_ptr(), out.data_ptr(), n, t, n, m.variance_epsilon, bf,
+                               threads)  # fmt: skip
+            return out
+
+        # LlamaAttention.forward, its linears over the [T, hidden] rows
+        rows = x[0]
+        h = norm(0, rows)
+        t0 = clock()
+        y = qkv(h) if qkv is not None else None
+        if y is not None:  # the three projections in one call: their outputs side by side in y's rows
+            q, k, v = y.split((sq.n, sk.n, sv.n), dim=1)
+        else:
+            q, k, v = _linear(sq, mq, h), _linear(sk, mk, h), _linear(sv, mv, h)
+        lin = clock() - t0
+        cs = (ctypes.c_int64 * 2)(0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
+        if y is not None:  # q and k side by side in y's rows: one rotary call over their heads together
+            both = _rotary(rot_lib, y, cos, sin, cs, hq + hkv, t, head_dim, bf, threads)
+            qr, kr = both[:, :hq], both[:, hq:]  # [T, Hq, D] and [T, Hkv, D]
+        else:
+            qr = _rotary(rot_lib, q, cos, sin, cs, hq, t, head_dim, bf, threads)
+            kr = _rotary(rot_lib, k, cos, sin, cs, hkv, t, head_dim, bf, threads)
+        # PagedKV.update: the new keys and values into the pool at the batch's slots (b.top_slot checked above)
+        rot_lib.kv_write(kr.data_ptr(), kr.stride(0), kr.stride(1), v.data_ptr(), v.stride(0), head_dim,
+                         kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * kpool.shape[2], b.slots.data_ptr(), t,
+                         hkv, head_dim, kpool.element_size())  # fmt: skip
+        b.layer = layer_idx
+        out = _attend(b, qr, kpool, vpool, hkv, float(attn.scaling), bf)  # [T, Hq, D] in the model's dtype
+        t0 = clock()
+        o = _linear(so, mo, out.view(t, hq * head_dim))
+        lin += clock() - t0
+        hidden = rows + o
+        # LlamaMLP.forward: down(act(gate(x)) * up(x)), SiLU and the product in place as the lean forward does
+        h = norm(1, hidden)
+        t0 = clock()
+        y = gate_up(h) if gate_up is not None else None
+        if y is not None:
+            g, u = y.split((sg.n, su.n), dim=1)
+        else:
+            g, u = _linear(sg, mg, h), _linear(su, mu, h)
+        lin += clock() - t0
+        if not torch.is_grad_enabled() and g.dtype == u.dtype and g.shape == u.shape:
+            act = F.silu(g, inplace=True).mul_(u)
+        else:
+            act = mlp.act_fn.forward(g) * u
+        t0 = clock()
+        d = _linear(sd, md, act)
+        use.seconds += lin + clock() - t0
+        return (hidden + d).unsqueeze(0)
+
+    return forward
+
+
+class _Joined:
+    """Projections of one input computed in one small-row kernel call: their packed weights lie back to back in
+    memory (``linear._into_huge_pages`` copies them so, in the model's order), so the blocks of 16 outputs of all of
+    them are one packed weight of their summed outputs. Each block's sums run over k in order whatever the other
+    blocks (``_small_linear.c``), so every output is the bits its own call gives."""
+
+    def __init__(self, parts: tuple[Any, ...]) -> None:
+        first = parts[0]
+        self.fn, self.weight, self.k, self.dtype = first.fn, first.weight, first.k, first.dtype
+        self.n = sum(p.n for p in parts)
+        self.bias = None if first.bias is None else torch.cat([p.bias for p in parts]).contiguous()
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor | None:
+        m = rows.shape[0]
+        if rows.dtype != self.dtype or rows.stride(-1) != 1:
+            return None
+        y = torch.empty((m, self.n), dtype=self.dtype)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        rc = self.fn(rows.data_ptr(), rows.stride(0), m, self.weight.data_ptr(), self.n, self.k, bias, y.data_ptr(),
+                     self.n, torch.get_num_threads())  # fmt: skip
+        return y if rc == 0 else None
+
+
+def _joinable(parts: tuple[Any, ...]) -> bool:
+    """Whether ``parts`` (SmallPacked) can run as one call: one kernel, input width and dtype, all with a bias or
+    none, and their packed weights back to back."""
+    first = parts[0]
+    if any(p.fn is not first.fn or p.k != first.k or p.weight.dtype != first.weight.dtype for p in parts):
+        return False
+    if len({p.bias is None for p in parts}) != 1 or not all(p.weight.is_contiguous() for p in parts):
+        return False
+    at = first.weight.data_ptr()
+    for p in parts:
+        if p.weight.data_ptr() != at:
+            return False
+        at += p.weight.numel() * p.weight.element_size()
+    return True
+
+
+def _joined(joins: dict[str, Any], name: str, parts: tuple[Any, ...]) -> Any:
+    """The ``_Joined`` of ``parts`` (made again only when they change: ``PackedLinears.repack``), or None where they
+    cannot join; ``joins`` keeps the last one under ``name``."""
+    key = tuple(id(p) for p in parts)
+    had = joins.get(name)
+    if had is None or had[0] != key:
+        had = joins[name] = (key, _Joined(parts) if _joinable(parts) else None, parts)  # parts: their ids stay theirs
+    return had[1]
+
+
+def _rotary_fits(cos: Any, sin: Any, t: int, d: int, dtype: torch.dtype) -> bool:
+    """Whether ``cos``/``sin`` are what ``fused._rotary_fits`` takes for [1, heads, t, d] queries of ``dtype``."""
+    return (
+        isinstance(cos, torch.Tensor)
+        and isinstance(sin, torch.Tensor)
+        and cos.dtype == dtype
+        and sin.dtype == dtype
+        and cos.device.type == "cpu"
+        and sin.device.type == "cpu"
+        and cos.dim() == 3
+        and cos.shape == sin.shape
+        and cos.stride() == sin.stride()
+        and cos.shape[0] == 1
+        and tuple(cos.shape[1:]) == (t, d)
+        and cos.stride(2) == 1
+        and d % 2 == 0
+    )
+
+
+def _rotary(
+    lib: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cs: Any, heads: int, t: int, d: int, bf: int,
+    threads: int,
+) -> torch.Tensor:  # fmt: skip
+    """``fused.rotary`` of the projection rows ``x`` [T, heads * d] (rows contiguous, any row stride) seen as
+    [1, heads, T, d]: [T, heads, d]."""
+    out = torch.empty((t, heads, d), dtype=x.dtype)
+    ld = x.stride(0)  # x's rows may be a slice of wider ones (the joined projections')
+    xs = (ctypes.c_int64 * 3)(t * ld, d, ld)  # [1, heads, T, d] token-major, as out
+    os = (ctypes.c_int64 * 3)(t * heads * d, d, heads * d)
+    rc = lib.fused_rotary(x.data_ptr(), xs, cos.data_ptr(), sin.data_ptr(), cs, out.data_ptr(), os, 1, heads, t, d,
+                          bf, threads)  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"fused_rotary returned {rc}")
+    return out
+
+
+def _attend(b: StepBatch, q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, hkv: int, scale: float,
+            bf: int) -> torch.Tensor:  # fmt: skip
+    """``paged_attention`` of the batch's kernel rows (all its rows) for queries ``q`` [T, Hq, D] of the model's
+    dtype: the decode path's call, its timings kept as ``_kernel_attention`` keeps them; [T, Hq, D] back."""
+    t0 = time.perf_counter()
+    t, hq, dim = q.shape
+    qf = q.float() if bf else q
+    res = torch.empty((t, hq, dim), dtype=torch.float32)
+    arrays = b.kernel
+    assert arrays is not None
+    lib = kernel.load()
+    assert lib is not None
+    fn = lib.paged_attention_bf16 if bf else lib.paged_attention_f32
+    tables = arrays.tables
+    threads = torch.get_num_threads()
+    t1 = time.perf_counter()
+    rc = fn(
+        ctypes.c_void_p(qf.data_ptr()), qf.stride(0), qf.stride(1), ctypes.c_void_p(kpool.data_ptr()),
+        ctypes.c_void_p(vpool.data_ptr()), kpool.shape[1], b.pool.block_size, dim, hkv, hq,
+        ctypes.c_void_p(tables.data_ptr()), tables.shape[1], ctypes.c_void_p(arrays.q_start.data_ptr()),
+        ctypes.c_void_p(arrays.q_len.data_ptr()), ctypes.c_void_p(arrays.kv_len.data_ptr()), len(b.kernel_rows),
+        scale, 0.0, 0, attention.KERNEL_SPLIT, ctypes.c_void_p(res.data_ptr()), threads,
+    )  # fmt: skip
+    took = time.perf_counter() - t1
+    if rc != 0:  # beyond the kernel's limits: the generic function (it falls back to the torch path)
+        out = torch.empty((t, hq, dim), dtype=q.dtype)
+        attention._kernel_attention(b, q, kpool, vpool, hkv, scale, 0.0, 0, out)
+        b.attention_s += time.perf_counter() - t0
+        return out
+    b.decode_path_s += took
+    b.decode_path_bytes += 2 * b.pairs(b.kernel_rows, 0) * hkv * dim * kpool.element_size()
+    out = res.to(torch.bfloat16) if bf else res
+    b.attention_s += time.perf_counter() - t0
+    return out

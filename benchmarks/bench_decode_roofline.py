@@ -65,13 +65,13 @@ from engine.paged import kernel, linear
 def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     """``--rows`` requests decoding together: the forward's seconds per decode step and the bytes it reads."""
     torch_dtype = getattr(torch, dtype)
-    tokens = args.rows * (args.context + 3 * args.steps + 64)
+    tokens = args.rows * (args.context + 4 * args.steps + 64)
     pcm = PrefixCachedModel.from_pretrained(args.model, dtype=torch_dtype, max_cached_tokens=tokens)
     model = pcm.model
     engine = pcm.runtime.engine()
     assert engine is not None, pcm.engine_unsupported_reason
     gen = torch.Generator().manual_seed(0)
-    new = 3 * args.steps + 4
+    new = 4 * args.steps + 4
     params = dataclasses.replace(  # every row decodes all its steps
         sampling_params(model.generation_config, {"max_new_tokens": new, "do_sample": False}, 0), ignore_eos=True
     )

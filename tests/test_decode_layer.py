@@ -1,5 +1,6 @@
-"""A lean layer's decode fast path (engine.paged.decode_layer): the same logits and the same pool bytes as the lean
-forward through the modules, bit for bit, for steps it takes; steps it does not take go on as before."""
+"""A lean layer's fast path (engine.paged.decode_layer): the same logits and the same pool bytes as the lean forward
+through the modules, bit for bit, for steps it takes (decoding, and prefill chunks beside other rows); steps it does
+not take (a window, a row on the torch path) go on as before."""
 
 from __future__ import annotations
 
@@ -27,22 +28,27 @@ def _kernels(dtype: torch.dtype) -> str | None:
 
 
 def _run(model: torch.nn.Module, ids: torch.Tensor, hits: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Two prompts prefilled in one step, then four steps decoding both, with the engine's packed linears and fused
-    ops in place: each step's logits, and the pool's K/V tensors after."""
+    """Two prompts prefilled in one step (9 and 6 new tokens: the kernel's prefill path), four steps decoding both,
+    then one with a third prompt's first 20 tokens beside them, with the engine's packed linears and fused ops in
+    place: each step's logits, and the pool's K/V tensors after. ``hits`` gets each step's count of fast layers."""
     pool = KVPool(hf_cache.probe_specs(model), 16, BS, dtype=model.dtype, device="cpu")
     runner = PagedRunner(model, pool)
     packed, fused = linear.PackedLinears(model), FusedOps(model)
-    a, b = list(range(0, 4)), list(range(4, 8))
+    a, b, c = list(range(0, 4)), list(range(4, 8)), list(range(8, 13))
     out = []
+    steps: list[tuple[list[Row], torch.Tensor, torch.Tensor]] = [
+        ([Row(0, 9, 9, a), Row(9, 6, 6, b)], torch.cat([ids[0, :9], ids[1, :6]]), torch.tensor([8, 14]))
+    ]
+    for t in range(4):
+        rows = [Row(0, 1, 10 + t, a), Row(1, 1, 7 + t, b)]
+        steps.append((rows, torch.stack([ids[0, 9 + t], ids[1, 6 + t]]), torch.tensor([0, 1])))
+    rows = [Row(0, 1, 14, a), Row(1, 1, 11, b), Row(2, 20, 20, c)]
+    steps.append((rows, torch.cat([ids[0, 13:14], ids[1, 10:11], ids[2, :20]]), torch.tensor([0, 1, 21])))
     with packed.active(several_rows=True), fused.active():
-        flat = torch.cat([ids[0, :9], ids[1, :6]])
-        out.append(runner.forward(runner.batch([Row(0, 9, 9, a), Row(9, 6, 6, b)]), flat, torch.tensor([8, 14])))
-        before = sum(hits)
-        for t in range(4):
-            rows = [Row(0, 1, 10 + t, a), Row(1, 1, 7 + t, b)]
-            step = torch.stack([ids[0, 9 + t], ids[1, 6 + t]])
-            out.append(runner.forward(runner.batch(rows), step, torch.tensor([0, 1])))
-        hits.append(sum(hits) - before)  # the decode steps' fast layers
+        for rows, flat, keep in steps:
+            before = len(hits)
+            out.append(runner.forward(runner.batch(rows), flat, keep))
+            hits[before:] = [sum(hits[before:])]
     kv = [t.clone() for pair in (pool.layer(i) for i in range(len(pool.specs))) if pair is not None for t in pair]
     return out, kv
 
@@ -76,29 +82,30 @@ def test_the_decode_fast_path_gives_the_lean_forwards_bits(
     if not joined:  # each projection its own call (weights not back to back)
         monkeypatch.setattr(decode_layer, "_joinable", lambda parts: False)
     model = tiny_model(arch, dtype=dtype, hidden=64)  # qwen2: q/k/v biases; mistral_window: a sliding window
-    ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
     hits: list[int] = []
     _counting(monkeypatch, hits)
     got, got_kv = _run(model, ids, hits)
-    fast_layers = hits[-1]
     monkeypatch.setenv(lean.DECODE_ENV, "off")
     off: list[int] = []
     want, want_kv = _run(model, ids, off)
-    assert off == [0]  # switched off: the lean forward's module calls every step
+    assert off == [0] * 6  # switched off: the lean forward's module calls every step
+    layers = model.config.num_hidden_layers
     if arch == "mistral_window":
-        assert fast_layers == 0  # a layer that passes a window keeps the module calls
+        assert hits == [0] * 6  # a layer that passes a window keeps the module calls
     else:
-        # every decode step's layers but the last (its output rows pruned through hooks when fewer are kept; here all
-        # are, so it runs lean too)
-        assert fast_layers == 4 * model.config.num_hidden_layers
+        # every layer of every step, but the last layer of the first and last steps: it computes the kept rows only
+        # (LastLayerRows' hooks), through transformers' forward
+        assert hits == [layers - 1] + [layers] * 4 + [layers - 1]
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     for g, w in zip(got_kv, want_kv, strict=True):
         assert torch.equal(g, w)
 
 
-def test_a_step_with_a_prefill_row_takes_the_module_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row of more new tokens than the decode path takes (here 20) sends the whole step the usual way."""
+def test_a_step_with_a_torch_row_takes_the_module_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone row of more new tokens than the decode path takes goes through SDPA (the torch path), over queries as
+    the module calls lay them out: the whole step keeps those calls."""
     if _kernels(torch.float32):
         pytest.skip(_kernels(torch.float32) or "")
     model = tiny_model("llama", hidden=64)
@@ -107,7 +114,9 @@ def test_a_step_with_a_prefill_row_takes_the_module_calls(monkeypatch: pytest.Mo
     pool = KVPool(hf_cache.probe_specs(model), 16, BS, dtype=model.dtype, device="cpu")
     runner = PagedRunner(model, pool)
     packed, fused = linear.PackedLinears(model), FusedOps(model)
-    ids = torch.randint(3, VOCAB, (22,), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(4))
     with packed.active(several_rows=True), fused.active():
-        runner.forward(runner.batch([Row(0, 20, 20, list(range(5))), Row(20, 2, 2, [5])]), ids, torch.tensor([19]))
+        batch = runner.batch([Row(0, 20, 20, list(range(5)))])
+        assert batch.torch_rows == [0]
+        runner.forward(batch, ids, torch.tensor([19]))
     assert hits and not any(hits)

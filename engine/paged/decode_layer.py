@@ -1,20 +1,23 @@
-"""A lean layer's decode steps with the Python between its C calls cut to the calls themselves.
+"""A lean layer's step with the Python between its C calls cut to the calls themselves.
 
-On a decode step every heavy op of a Llama-style layer already runs in C: the two RMSNorms and the rotary embedding
-(``fused``), the seven linears (the small-row kernel, ``linear.SmallPacked``) and the attention (the kernel's decode
-path). What was left was the Python around them: module lookups, views and transposes, each wrapper's checks and
-argument lists, the attention function's generic dispatch. On the ``small`` preset (12 layers, 8 rows decoding over
-1,024 tokens, 2 cores) that came to about a quarter of a bf16 step (py-spy; issue 35's note).
+On a step of the engine most ops of a Llama-style layer already run in C: the two RMSNorms and the rotary embedding
+(``fused``), the seven linears (the small-row kernel, ``linear.SmallPacked``, for a few rows; oneDNN's packed matmul
+for more) and the attention (the kernel's decode and prefill paths). What was left was the Python around them:
+module lookups, views and transposes, each wrapper's checks and argument lists, the attention function's generic
+dispatch. On the ``small`` preset (12 layers, 8 rows decoding over 1,024 tokens, 2 cores) that came to about a
+quarter of a bf16 decode step (py-spy; issue 35's note).
 
 ``fast_forward(layer)`` gives a function that runs the layer the same way for a step it fits, and returns None for
-any other, so the lean forward goes on as before. It fits when every row of the step takes the kernel's decode path
-(``StepBatch.kernel_rows``; no prefill or torch rows), the layer is not a window layer and passes no window, the
-attention implementation is the paged one, the pool holds this dtype, both norms and the rotary function are the
-fused ones in place now (``FusedOps.active()``), and the small-row kernel takes this many rows for all seven
-linears now (``PackedLinears.active()``). It calls the same C functions on the same inputs in the same order as
-the lean forward does through the modules, so its outputs are the same bits (tests/test_decode_layer.py compares
-them). SiLU and the product stay torch's ops (their bits are torch's). It keeps the engine's timings: the linears'
-seconds, the attention's and the decode path's seconds and bytes.
+any other, so the lean forward goes on as before. It fits when no row of the step takes the torch path (SDPA), the
+layer is not a window layer and passes no window, the attention implementation is the paged one, the pool holds
+this dtype, both norms and the rotary function are the fused ones in place now (``FusedOps.active()``) and the
+linears the packed ones (``PackedLinears.active()``). It calls the same functions on the same inputs in the same
+order as the lean forward does through the modules, so its outputs are the same bits (tests/test_decode_layer.py
+compares them); three calls do more than one module's work without changing a bit: q/k/v and gate/up as one
+small-row call each (``_Joined``), q and k in one rotary call, both sides' new K/V in one ``kv_write``. SiLU and the
+product stay torch's ops. A step whose rows all decode calls the kernel's decode path straight (``_attend``); one
+with prefill rows calls ``attention.paged_attention``. It keeps the engine's timings: the linears' seconds, the
+attention's and the decode path's seconds and bytes.
 """
 
 from __future__ import annotations
@@ -35,26 +38,14 @@ Forward = Callable[[torch.Tensor, Any, tuple[torch.Tensor, torch.Tensor]], "torc
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _small(module: torch.nn.Module, rows: int) -> Any:
-    """The ``SmallPacked`` that ``module``'s packed forward in place would compute ``rows`` rows with, or None."""
-    pick = getattr(module.__dict__.get("forward"), "small_for", None)
-    return pick(rows) if pick is not None else None
-
-
 def _norm(module: torch.nn.Module) -> Any:
     """(fused library, norm module) when ``module`` runs the fused RMSNorm now, else None."""
     return getattr(module.__dict__.get("forward"), "fused_norm", None)
 
 
-def _linear(small: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``x`` [T, K] through the small-row kernel (the module's packed forward where the kernel declines)."""
-    y: torch.Tensor | None = small(x)
-    return y if y is not None else module.forward(x)
-
-
 def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
-    """The decode fast path of ``layer`` (a layer ``lean.lean_reason`` accepts; ``home`` its attention's modeling
-    module, ``window`` how its attention passes a sliding window: see ``lean.KNOWN_ATTENTION``)."""
+    """The fast path of ``layer`` (a layer ``lean.lean_reason`` accepts; ``home`` its attention's modeling module,
+    ``window`` how its attention passes a sliding window: see ``lean.KNOWN_ATTENTION``)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     mods = [getattr(attn, n) for n in _LINEARS[:4]] + [getattr(mlp, n) for n in _LINEARS[4:]]
@@ -72,10 +63,8 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
         ):
             return None
         b: StepBatch = cache.batch
-        if b.prefill_rows or b.torch_rows or not b.kernel_rows or b.kernel is None or b.windowed(layer_idx):
-            return None
-        if config._attn_implementation != ATTENTION_NAME:
-            return None
+        if b.torch_rows or b.windowed(layer_idx) or config._attn_implementation != ATTENTION_NAME:
+            return None  # torch rows: SDPA over the queries as the module calls lay them out
         if window == "module" and attn.sliding_window is not None:
             return None
         if window == "config" and getattr(config, "sliding_window", None) is not None:
@@ -89,10 +78,12 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
         dtype, t, n = x.dtype, x.shape[1], x.shape[2]
         if kpool.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
             return None
-        smalls = [_small(m, t) for m in mods]
+        packed = [m.__dict__.get("forward") for m in mods]
+        if any(getattr(f, "small_for", None) is None for f in packed):
+            return None  # the linears are not the engine's packed ones now
         norms = (_norm(norm1), _norm(norm2))
         rot_lib = getattr(getattr(home, ROTARY_NAME, None), "fused_lib", None)
-        if any(s is None for s in smalls) or norms[0] is None or norms[1] is None or rot_lib is None:
+        if norms[0] is None or norms[1] is None or rot_lib is None:
             return None
         cos, sin = position_embeddings
         if not _rotary_fits(cos, sin, t, head_dim, dtype):
@@ -101,17 +92,31 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
             if m.weight.dtype != dtype or m.weight.shape != (n,) or not m.weight.is_contiguous():
                 return None
         hkv = kpool.shape[0]
-        if smalls[1].n != hkv * head_dim or smalls[2].n != hkv * head_dim or smalls[0].n % head_dim:
+        nq, nk, nv = (getattr(m, "out_features", -1) for m in mods[:3])
+        if nk != hkv * head_dim or nv != nk or nq % head_dim or (nq // head_dim) % hkv:
             return None
-        hq = smalls[0].n // head_dim
-        if hq % hkv or kpool.shape[2] != b.pool.block_size * head_dim or vpool.shape != kpool.shape:
+        if kpool.shape[2] != b.pool.block_size * head_dim or vpool.shape != kpool.shape:
             return None
+        hq = nq // head_dim
         bf = int(dtype == torch.bfloat16)
         threads = torch.get_num_threads()
+        use = packed[0].use
+        smalls = [f.small_for(t) for f in packed]  # the small-row kernel's, or None: the packed forward (oneDNN)
         sq, sk, sv, so, sg, su, sd = smalls
         mq, mk, mv, mo, mg, mu, md = mods
-        use = mq.__dict__["forward"].use
-        qkv, gate_up = _joined(joins, "qkv", (sq, sk, sv)), _joined(joins, "gate_up", (sg, su))
+        qkv = _joined(joins, "qkv", (sq, sk, sv)) if sq and sk and sv else None
+        gate_up = _joined(joins, "gate_up", (sg, su)) if sg and su else None
+
+        def linear(small: Any, module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+            """``h`` [T, K] through the small-row kernel, timed into ``use``; else the module's packed forward
+            (which times itself)."""
+            if small is not None:
+                t0 = clock()
+                y = small(h)
+                if y is not None:
+                    use.seconds += clock() - t0
+                    return y  # type: ignore[no-any-return]
+            return module.forward(h.unsqueeze(0))[0]  # type: ignore[no-any-return]  # as the lean forward calls it
 
         def norm(which: int, h: torch.Tensor) -> torch.Tensor:
             lib, m = norms[which]
@@ -123,13 +128,12 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
         # LlamaAttention.forward, its linears over the [T, hidden] rows
         rows = x[0]
         h = norm(0, rows)
-        t0 = clock()
-        y = qkv(h) if qkv is not None else None
-        if y is not None:  # the three projections in one call: their outputs side by side in y's rows
-            q, k, v = y.split((sq.n, sk.n, sv.n), dim=1)
+        y = linear(qkv, mq, h) if qkv is not None else None  # None: qkv declined, mq's packed forward not called
+        if y is not None and y.shape[1] == nq + nk + nv:  # one call: the three outputs side by side in y's rows
+            q, k, v = torch.split(y, [nq, nk, nv], dim=1)
         else:
-            q, k, v = _linear(sq, mq, h), _linear(sk, mk, h), _linear(sv, mv, h)
-        lin = clock() - t0
+            y = None
+            q, k, v = linear(sq, mq, h), linear(sk, mk, h), linear(sv, mv, h)
         cs = (ctypes.c_int64 * 2)(0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
         if y is not None:  # q and k side by side in y's rows: one rotary call over their heads together
             both = _rotary(rot_lib, y, cos, sin, cs, hq + hkv, t, head_dim, bf, threads)
@@ -142,27 +146,24 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
                          kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * kpool.shape[2], b.slots.data_ptr(), t,
                          hkv, head_dim, kpool.element_size())  # fmt: skip
         b.layer = layer_idx
-        out = _attend(b, qr, kpool, vpool, hkv, float(attn.scaling), bf)  # [T, Hq, D] in the model's dtype
-        t0 = clock()
-        o = _linear(so, mo, out.view(t, hq * head_dim))
-        lin += clock() - t0
+        if b.prefill_rows or b.kernel is None:  # the attention function itself, for prefill rows
+            out = attention.paged_attention(attn, qr.transpose(0, 1).unsqueeze(0), kr, v, None, 0.0, attn.scaling)[0][0]
+        else:
+            out = _attend(b, qr, kpool, vpool, hkv, float(attn.scaling), bf)  # [T, Hq, D] in the model's dtype
+        o = linear(so, mo, out.reshape(t, hq * head_dim))
         hidden = rows + o
         # LlamaMLP.forward: down(act(gate(x)) * up(x)), SiLU and the product in place as the lean forward does
         h = norm(1, hidden)
-        t0 = clock()
-        y = gate_up(h) if gate_up is not None else None
-        if y is not None:
-            g, u = y.split((sg.n, su.n), dim=1)
+        y = linear(gate_up, mg, h) if gate_up is not None else None
+        if y is not None and y.shape[1] == sg.n + su.n:
+            g, u = torch.split(y, [int(sg.n), int(su.n)], dim=1)
         else:
-            g, u = _linear(sg, mg, h), _linear(su, mu, h)
-        lin += clock() - t0
+            g, u = linear(sg, mg, h), linear(su, mu, h)
         if not torch.is_grad_enabled() and g.dtype == u.dtype and g.shape == u.shape:
             act = F.silu(g, inplace=True).mul_(u)
         else:
             act = mlp.act_fn.forward(g) * u
-        t0 = clock()
-        d = _linear(sd, md, act)
-        use.seconds += lin + clock() - t0
+        d = linear(sd, md, act)
         return (hidden + d).unsqueeze(0)
 
     return forward

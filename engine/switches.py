@@ -1,5 +1,6 @@
 """The engine's opt-out environment variables (``PREFIXCACHE_KERNEL``, ``PREFIXCACHE_HUGE_PAGES``,
-``PREFIXCACHE_LAST_ROWS``, ``PREFIXCACHE_LEAN_LAYERS``): one reading of what "off" means for all of them."""
+``PREFIXCACHE_LAST_ROWS``, ``PREFIXCACHE_LEAN_LAYERS``, ``PREFIXCACHE_DECODE_LAYER``): one reading of what "off"
+means for all of them."""
 
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ hooks (``LastLayerRows`` prunes the last layer through hooks) or global module h
 replaced since (a LoRA layer over a projection), in training mode, or for an argument the lean forward does not
 take. ``PREFIXCACHE_LEAN_LAYERS=off`` keeps transformers' forwards everywhere.
 
-A decode step (every row on the attention kernel's decode path, every linear on the small-row kernel) goes further:
-``decode_layer.fast_forward`` calls the same C functions straight, without the module calls between them (the same
-bits; ``PREFIXCACHE_DECODE_LAYER=off`` keeps the module calls, ``LeanLayers.decode_layer_suspended()`` for a block).
+A step of the engine with no row on the torch path goes further: ``decode_layer.fast_forward`` calls the same
+functions straight, without the module calls between them (the same bits; ``PREFIXCACHE_DECODE_LAYER=off`` keeps
+the module calls, ``LeanLayers.decode_layer_suspended()`` for a block).
 """
 
 from __future__ import annotations

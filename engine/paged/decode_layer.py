@@ -14,7 +14,7 @@ this dtype, both norms and the rotary function are the fused ones in place now (
 linears the packed ones (``PackedLinears.active()``). It calls the same functions on the same inputs in the same
 order as the lean forward does through the modules, so its outputs are the same bits (tests/test_decode_layer.py
 compares them); three calls do more than one module's work without changing a bit: q/k/v and gate/up as one
-small-row call each (``_Joined``), q and k in one rotary call, both sides' new K/V in one ``kv_write``. SiLU and the
+small-row call each (``_join``), q and k in one rotary call, both sides' new K/V in one ``kv_write``. SiLU and the
 product stay torch's ops. A step whose rows all decode calls the kernel's decode path straight (``_attend``); one
 with prefill rows calls ``attention.paged_attention``. It keeps the engine's timings: the linears' seconds, the
 attention's and the decode path's seconds and bytes.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.paged import attention, kernel
+from engine.paged import attention, kernel, linear
 from engine.paged.attention import ATTENTION_NAME, PagedKV, StepBatch
 from engine.paged.fused import ROTARY_NAME
 
@@ -169,52 +169,42 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
     return forward
 
 
-class _Joined:
-    """Projections of one input computed in one small-row kernel call: their packed weights lie back to back in
-    memory (``linear._into_huge_pages`` copies them so, in the model's order), so the blocks of 16 outputs of all of
-    them are one packed weight of their summed outputs. Each block's sums run over k in order whatever the other
-    blocks (``_small_linear.c``), so every output is the bits its own call gives."""
-
-    def __init__(self, parts: tuple[Any, ...]) -> None:
-        first = parts[0]
-        self.fn, self.weight, self.k, self.dtype = first.fn, first.weight, first.k, first.dtype
-        self.n = sum(p.n for p in parts)
-        self.bias = None if first.bias is None else torch.cat([p.bias for p in parts]).contiguous()
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor | None:
-        m = rows.shape[0]
-        if rows.dtype != self.dtype or rows.stride(-1) != 1:
-            return None
-        y = torch.empty((m, self.n), dtype=self.dtype)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        rc = self.fn(rows.data_ptr(), rows.stride(0), m, self.weight.data_ptr(), self.n, self.k, bias, y.data_ptr(),
-                     self.n, torch.get_num_threads())  # fmt: skip
-        return y if rc == 0 else None
+def _join(parts: tuple[Any, ...]) -> Any:
+    """Projections of one input as one ``SmallPacked`` (one small-row kernel call): their packed weights lie back to
+    back in one buffer (``linear._into_huge_pages`` copies them so, in the model's order), so the blocks of 16 outputs
+    of all of them are one packed weight of their summed outputs. Each block's sums run over k in order whatever the
+    other blocks (``_small_linear.c``), so every output is the bits its own call gives."""
+    first = parts[0]
+    numel = sum(p.weight.numel() for p in parts)
+    weight = first.weight.as_strided((numel,), (1,), first.weight.storage_offset())  # all of them, in that buffer
+    bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+    return linear.SmallPacked(first.fn, weight, bias, sum(p.n for p in parts), first.k, first.rows)
 
 
 def _joinable(parts: tuple[Any, ...]) -> bool:
     """Whether ``parts`` (SmallPacked) can run as one call: one kernel, input width and dtype, all with a bias or
-    none, and their packed weights back to back."""
+    none, and their packed weights back to back in one buffer."""
     first = parts[0]
     if any(p.fn is not first.fn or p.k != first.k or p.weight.dtype != first.weight.dtype for p in parts):
         return False
     if len({p.bias is None for p in parts}) != 1 or not all(p.weight.is_contiguous() for p in parts):
         return False
+    buffer = first.weight.untyped_storage().data_ptr()
     at = first.weight.data_ptr()
     for p in parts:
-        if p.weight.data_ptr() != at:
+        if p.weight.data_ptr() != at or p.weight.untyped_storage().data_ptr() != buffer:
             return False
         at += p.weight.numel() * p.weight.element_size()
     return True
 
 
 def _joined(joins: dict[str, Any], name: str, parts: tuple[Any, ...]) -> Any:
-    """The ``_Joined`` of ``parts`` (made again only when they change: ``PackedLinears.repack``), or None where they
-    cannot join; ``joins`` keeps the last one under ``name``."""
+    """The joined ``SmallPacked`` of ``parts`` (made again only when they change: ``PackedLinears.repack``), or None
+    where they cannot join; ``joins`` keeps the last one under ``name``."""
     key = tuple(id(p) for p in parts)
     had = joins.get(name)
     if had is None or had[0] != key:
-        had = joins[name] = (key, _Joined(parts) if _joinable(parts) else None, parts)  # parts: their ids stay theirs
+        had = joins[name] = (key, _join(parts) if _joinable(parts) else None, parts)  # parts: their ids stay theirs
     return had[1]
 
 

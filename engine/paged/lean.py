@@ -39,7 +39,7 @@ from engine.paged.fused import ROTARY_NAME, source_hash
 from engine.switches import switched_off
 
 ENV = "PREFIXCACHE_LEAN_LAYERS"
-DECODE_ENV = "PREFIXCACHE_DECODE_LAYER"  # off: decode steps take the lean forward's module calls too
+DECODE_ENV = "PREFIXCACHE_DECODE_LAYER"  # off: every step takes the lean forward's module calls
 KNOWN_LAYER = {
     "c58bc6a3bd6504f8": "LlamaDecoderLayer.forward (transformers 5.x; Qwen2/3, Mistral, SmolLM3, Starcoder2 copy it)",
 }
@@ -115,7 +115,7 @@ def _kernelized(attn: torch.nn.Module) -> bool:
 
 
 class _Switch:
-    """Whether the lean forwards of one ``LeanLayers`` may take the decode fast path (read at each call)."""
+    """Whether the lean forwards of one ``LeanLayers`` may take ``decode_layer``'s fast path (read at each call)."""
 
     def __init__(self, on: bool) -> None:
         self.on = on
@@ -123,7 +123,7 @@ class _Switch:
 
 def _lean_forward(layer: Any, decode_layer: _Switch | None = None) -> Callable[..., torch.Tensor]:
     """The layer's forward as one function (transformers 5's LlamaDecoderLayer, LlamaAttention and LlamaMLP, in
-    their order), a decode step through ``decode_layer.fast_forward`` where it fits while ``decode_layer`` is on; the
+    their order), a step through ``decode_layer.fast_forward`` where it fits while ``decode_layer`` is on; the
     original for what it does not take."""
     original = type(layer).forward.__get__(layer)
     attn, mlp = layer.self_attn, layer.mlp
@@ -229,7 +229,7 @@ class LeanLayers:
                 self.layers.append(m)
             else:
                 self.reasons.setdefault(type(m).__name__, why)
-        self.decode_layer = _Switch(not switched_off(DECODE_ENV))  # see suspended_decode_layer
+        self.decode_layer = _Switch(not switched_off(DECODE_ENV))  # see decode_layer_suspended
         self._forwards = [_lean_forward(m, self.decode_layer) for m in self.layers]
 
     @contextmanager
@@ -249,8 +249,8 @@ class LeanLayers:
 
     @contextmanager
     def decode_layer_suspended(self) -> Iterator[None]:
-        """Inside, decode steps take the lean forward's module calls, not ``decode_layer``'s fast path (benchmarks
-        compare the two, step by step)."""
+        """Inside, steps take the lean forward's module calls, not ``decode_layer``'s fast path (benchmarks compare
+        the two, step by step)."""
         before, self.decode_layer.on = self.decode_layer.on, False
         try:
             yield

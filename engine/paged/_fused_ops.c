@@ -6,8 +6,8 @@
  *   from torch's reduction.
  * - rotary: out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype (apply_rotary_pos_emb):
  *   bit for bit torch's, as long as nothing contracts a multiply and an add into one fma: built -ffp-contract=off.
- * - kv_write: a step's new keys and values copied into a pool layer at their slots (PagedKV.update's index_copy_,
- *   in one call for both sides: engine/paged/decode_layer.py).
+ * - kv_write: a step's new keys and values copied into a pool layer at their slots, both sides in one call
+ *   (StepBatch.write_kv, in place of index_copy_ per side).
  * All loops are plain C that the compiler vectorises (-O3 -march=native); rows split across OpenMP threads (torch's
  * own pool: the library links libgomp.so.1, as the attention kernel does) when there are enough of them.
  */

@@ -222,6 +222,40 @@ class StepBatch:
                 n += window * max(0, r.kv_len - max(first, window))
         return n
 
+    def write_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write layer ``layer_idx``'s new keys and values ([heads, T, dim] each, any strides) into the pool at the
+        batch's slots (a window layer's: its window slots), and make it the layer attention reads. On the CPU, K and
+        V alike in shape and dtype and the slots inside the pool: one ``kv_write`` call (``_fused_ops.c``, a plain
+        copy) for both; otherwise ``index_copy_`` per side."""
+        pair = self.pool.layer(layer_idx)
+        if pair is None:
+            raise RuntimeError(f"paged forward: layer {layer_idx} has no KV in the pool")
+        windowed = self.windowed(layer_idx)
+        slots = self.window_slots if windowed else self.slots
+        assert slots is not None
+        kp, vp = pair
+        bs = self.pool.block_size
+        lib = None
+        if (
+            not windowed  # (window slots: no bound kept for them here)
+            and kp.device.type == "cpu"
+            and kp.shape == vp.shape
+            and key.shape == value.shape == (kp.shape[0], slots.numel(), kp.shape[2] // bs)
+            and key.dtype == value.dtype == kp.dtype == vp.dtype
+            and key.stride(2) == value.stride(2) == 1
+            and 0 <= self.top_slot < kp.shape[1] * bs
+        ):
+            lib = kernel.load_fused()
+        if lib is not None:
+            lib.kv_write(key.data_ptr(), key.stride(1), key.stride(0), value.data_ptr(), value.stride(1),
+                         value.stride(0), kp.data_ptr(), vp.data_ptr(), kp.shape[1] * kp.shape[2], slots.data_ptr(),
+                         slots.numel(), kp.shape[0], key.shape[2], kp.element_size())  # fmt: skip
+        else:
+            for src, dst in zip((key, value), pair):
+                heads, _, width = dst.shape
+                dst.view(heads, -1, width // bs).index_copy_(1, slots, src.to(dst.dtype))
+        self.layer = layer_idx
+
     def windowed(self, layer: int) -> bool:
         """Whether pool layer ``layer`` is a window layer (read and written through window slots)."""
         return layer in self.pool.window_layers
@@ -281,17 +315,7 @@ class PagedKV:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new keys and values ([1, heads, T, dim]) into the pool at the batch's slots."""
-        b = self.batch
-        pair = b.pool.layer(layer_idx)
-        if pair is None:
-            raise RuntimeError(f"paged forward: layer {layer_idx} has no KV in the pool")
-        slots = b.window_slots if b.windowed(layer_idx) else b.slots
-        assert slots is not None
-        for src, dst in zip((key_states, value_states), pair):
-            heads, _, width = dst.shape
-            flat = dst.view(heads, -1, width // b.pool.block_size)
-            flat.index_copy_(1, slots, src[0].to(dst.dtype))
-        b.layer = layer_idx
+        self.batch.write_kv(layer_idx, key_states[0], value_states[0])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

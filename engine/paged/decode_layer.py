@@ -14,7 +14,7 @@ this dtype, both norms and the rotary function are the fused ones in place now (
 linears the packed ones (``PackedLinears.active()``). It calls the same functions on the same inputs in the same
 order as the lean forward does through the modules, so its outputs are the same bits (tests/test_decode_layer.py
 compares them); three calls do more than one module's work without changing a bit: q/k/v and gate/up as one
-small-row call each (``_join``), q and k in one rotary call, both sides' new K/V in one ``kv_write``. SiLU and the
+small-row call each (``_join``), q and k in one rotary call. SiLU and the
 product stay torch's ops, and the attention is ``attention.paged_attention`` called straight. It keeps the engine's
 timings: the linears' seconds, the attention's (and its paths') seconds.
 """
@@ -71,7 +71,7 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
         pair = b.pool.layer(layer_idx)
         if pair is None or hasattr(attn, "expand_kv"):
             return None
-        if b.top_slot >= pair[0].shape[1] * b.pool.block_size or b.slots.numel() != x.shape[1]:
+        if b.slots.numel() != x.shape[1]:
             return None
         kpool, vpool = pair
         dtype, t, n = x.dtype, x.shape[1], x.shape[2]
@@ -140,11 +140,8 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
         else:
             qr = _rotary(rot_lib, q, cos, sin, cs, hq, t, head_dim, bf, threads)
             kr = _rotary(rot_lib, k, cos, sin, cs, hkv, t, head_dim, bf, threads)
-        # PagedKV.update: the new keys and values into the pool at the batch's slots (b.top_slot checked above)
-        rot_lib.kv_write(kr.data_ptr(), kr.stride(0), kr.stride(1), v.data_ptr(), v.stride(0), head_dim,
-                         kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * kpool.shape[2], b.slots.data_ptr(), t,
-                         hkv, head_dim, kpool.element_size())  # fmt: skip
-        b.layer = layer_idx
+        # PagedKV.update: the new keys and values into the pool at the batch's slots
+        b.write_kv(layer_idx, kr.transpose(0, 1), v.view(t, hkv, head_dim).transpose(0, 1))
         # the attention function itself (a direct call of the decode path saved 0.6-1.1% of a decode step more)
         out = attention.paged_attention(attn, qr.transpose(0, 1).unsqueeze(0), kr, v, None, 0.0, attn.scaling)[0][0]
         o = linear(so, mo, out.reshape(t, hq * head_dim))

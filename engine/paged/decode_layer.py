@@ -14,9 +14,10 @@ this dtype, both norms and the rotary function are the fused ones in place now (
 linears the packed ones (``PackedLinears.active()``). It calls the same functions on the same inputs in the same
 order as the lean forward does through the modules, so its outputs are the same bits (tests/test_decode_layer.py
 compares them); three calls do more than one module's work without changing a bit: q/k/v and gate/up as one
-small-row call each (``_join``), q and k in one rotary call. SiLU and the
-product stay torch's ops, and the attention is ``attention.paged_attention`` called straight. It keeps the engine's
-timings: the linears' seconds, the attention's (and its paths') seconds.
+small-row call each (``_join``), q and k in one rotary call. The new keys and values go in through
+``StepBatch.write_kv``, as ``PagedKV.update`` writes them; SiLU and the product stay torch's ops, and the attention is
+``attention.paged_attention`` called straight. It keeps the engine's timings: the linears' seconds, the attention's
+(and its paths') seconds.
 """
 
 from __future__ import annotations

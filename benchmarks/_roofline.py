@@ -118,26 +118,45 @@ def roofline(model: Any, forward_s: float, tokens: int, steps: int, logit_rows: 
     }
 
 
+class ReadProbe:
+    """A read of ``nbytes`` of float32 (a sum on torch's threads) kept allocated, to time again and again beside other
+    work: ``probe(repeats)`` returns the best GB/s of ``repeats`` reads (the shared host's other load only ever
+    lowers a sample). The array lies in transparent huge pages where Linux gives them, as the engine's KV pool and
+    small-row weights do (``engine.malloc.advise_huge_pages``)."""
+
+    def __init__(self, nbytes: int = 1 << 28) -> None:
+        from engine.malloc import advise_huge_pages
+
+        self.nbytes = nbytes
+        self.x = torch.empty(nbytes // 4, dtype=torch.float32)
+        advise_huge_pages(self.x.data_ptr(), self.x.numel() * 4)
+        self.x.fill_(1.0)
+        self.x.sum()
+
+    def __call__(self, repeats: int = 2) -> float:
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.x.sum()
+            best = max(best, self.nbytes / (time.perf_counter() - t0) / 1e9)
+        return best
+
+
 def stream_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> dict[str, float]:
     """Achievable memory bandwidth in GB/s (medians of ``repeats``): ``read`` (a sum over ``nbytes`` of float32),
-    ``copy`` (``nbytes`` read and written: 2 x ``nbytes`` moved). Both arrays in transparent huge pages where Linux
-    gives them, as the engine's KV pool and small-row weights are (``engine.malloc.advise_huge_pages``)."""
+    ``copy`` (``nbytes`` read and written: 2 x ``nbytes`` moved). Both arrays in huge pages (``ReadProbe``)."""
     import statistics
 
     from engine.malloc import advise_huge_pages
 
-    x, y = torch.empty(nbytes // 4, dtype=torch.float32), torch.empty(nbytes // 4, dtype=torch.float32)
-    for t in (x, y):
-        advise_huge_pages(t.data_ptr(), t.numel() * 4)
-    x.fill_(1.0)
+    read = ReadProbe(nbytes)
+    x, y = read.x, torch.empty(nbytes // 4, dtype=torch.float32)
+    advise_huge_pages(y.data_ptr(), y.numel() * 4)
     y.zero_()
     reads, copies = [], []
-    x.sum()
     y.copy_(x)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        reads.append(nbytes / (time.perf_counter() - t0) / 1e9)
+        reads.append(read(1))
         t0 = time.perf_counter()
         y.copy_(x)
         copies.append(2 * nbytes / (time.perf_counter() - t0) / 1e9)

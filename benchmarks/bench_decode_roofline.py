@@ -260,7 +260,7 @@ def blocks_read(args: argparse.Namespace, dtype: str, heads: int, dim: int) -> l
     for order, ids in orders.items():
         tables[order] = ids[: args.rows * nb].to(torch.int32).view(args.rows, nb).contiguous()
     # the kernel's own ceiling: 2 rows' blocks in order and one layer, read 4 times, so the K/V (2 x --context
-    # tokens) come from the caches, not memory (L3: 6 MiB for fp32 at 12 heads of 64 and 1,024 tokens)
+    # tokens) come from the caches, not memory (12 MiB of fp32 K/V at 12 heads of 64 and 1,024 tokens, 6 bf16)
     cached_rows = 2
     passes = {order: (args.rows, sides) for order in tables} | {"in cache": (cached_rows, [sides[0]] * layers)}
     tables["in cache"] = tables["in order"][:cached_rows].contiguous()

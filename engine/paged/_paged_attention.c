@@ -201,10 +201,10 @@ static inline void prefetch_at(const job_t *j, const int32_t *table, int64_t hea
  * bits either way. */
 #define KV_SPREAD 1
 #endif
-/* At key p of an item reading keys lo .. last,
- * the first key of its block or of a split: asks now for what the per-key asks will not reach (at lo, the keys of
- * the blocks up to KV_AHEAD - 1 ahead; the keys before p of the block KV_AHEAD ahead) and gives the per-key asks'
- * bases: the block KV_AHEAD ahead's keys (NULL: past `last`) and p's block's values. */
+/* KV_SPREAD's asks at key p of an item reading keys lo .. last, p the first key of its block or of a split: asks
+ * now for what the per-key asks will not reach (at lo, the keys of the blocks up to KV_AHEAD - 1 ahead; the keys
+ * before p of the block KV_AHEAD ahead) and gives the per-key asks' bases: the keys of the block KV_AHEAD ahead
+ * (NULL: past `last`) and the values of p's block. */
 static inline void spread_at(const job_t *j, const int32_t *table, int64_t head_base, int p, int lo, int last,
                              int64_t el, const char **kahead, const char **vnow) {
     const int64_t row = (int64_t)j->dim * el, blk = (int64_t)j->bs * row;

@@ -122,10 +122,10 @@ def decode(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             modules["rest"].append(st.forward_s - before - (st.attention_s - att0) - (st.linears_s - lin0))
     step_lin = step_linears(engine.linears, model, torch_dtype) if engine.linears is not None else []
     per_token = bytes_per_token(pcm.runtime.specs, torch_dtype)
-    moved = [decode_bytes(model, kv, per_token)["total"] for kv in kv_tokens]
-    gbs = [b / t / 1e9 for b, t in zip(moved, times)]
+    each = [decode_bytes(model, kv, per_token) for kv in kv_tokens]  # each timed step's bytes
+    gbs = [e["total"] / t / 1e9 for e, t in zip(each, times)]
+    kv_moved = [e["kv"] for e in each]
     parts = decode_bytes(model, int(statistics.median(kv_tokens)), per_token)
-    kv_moved = [decode_bytes(model, kv, per_token)["kv"] for kv in kv_tokens]
     attn_s, lin_s = statistics.median(attn), statistics.median(lin)
     return {
         "dtype": dtype,

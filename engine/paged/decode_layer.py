@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from engine.paged import attention, linear
 from engine.paged.attention import ATTENTION_NAME, PagedKV, StepBatch
-from engine.paged.fused import ROTARY_NAME
+from engine.paged.fused import ROTARY_NAME, cos_sin_fit
 
 Forward = Callable[[torch.Tensor, Any, tuple[torch.Tensor, torch.Tensor]], "torch.Tensor | None"]
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -86,7 +86,7 @@ def fast_forward(layer: Any, home: Any, window: str | None) -> Forward:
         if norms[0] is None or norms[1] is None or rot_lib is None:
             return None
         cos, sin = position_embeddings
-        if not _rotary_fits(cos, sin, t, head_dim, dtype):
+        if not cos_sin_fit(cos, sin, 1, t, head_dim, dtype):
             return None
         for _lib, m in norms:
             if m.weight.dtype != dtype or m.weight.shape != (n,) or not m.weight.is_contiguous():
@@ -201,25 +201,6 @@ def _joined(joins: dict[str, Any], name: str, parts: tuple[Any, ...]) -> Any:
     if had is None or had[0] != key:
         had = joins[name] = (key, _join(parts) if _joinable(parts) else None, parts)  # parts: their ids stay theirs
     return had[1]
-
-
-def _rotary_fits(cos: Any, sin: Any, t: int, d: int, dtype: torch.dtype) -> bool:
-    """Whether ``cos``/``sin`` are what ``fused._rotary_fits`` takes for [1, heads, t, d] queries of ``dtype``."""
-    return (
-        isinstance(cos, torch.Tensor)
-        and isinstance(sin, torch.Tensor)
-        and cos.dtype == dtype
-        and sin.dtype == dtype
-        and cos.device.type == "cpu"
-        and sin.device.type == "cpu"
-        and cos.dim() == 3
-        and cos.shape == sin.shape
-        and cos.stride() == sin.stride()
-        and cos.shape[0] == 1
-        and tuple(cos.shape[1:]) == (t, d)
-        and cos.stride(2) == 1
-        and d % 2 == 0
-    )
 
 
 def _rotary(

@@ -166,21 +166,36 @@ def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return out
 
 
+def cos_sin_fit(cos: Any, sin: Any, b: int, t: int, d: int, dtype: torch.dtype) -> bool:
+    """Whether ``cos``/``sin`` are tables the fused rotary takes for [b, heads, t, d] inputs of ``dtype``: [1 or b,
+    t, d], alike in shape and strides, ``d`` contiguous and even."""
+    return (
+        isinstance(cos, torch.Tensor)
+        and isinstance(sin, torch.Tensor)
+        and _fits(cos, sin)
+        and cos.dtype == dtype
+        and cos.dim() == 3
+        and cos.shape == sin.shape
+        and cos.stride() == sin.stride()
+        and cos.shape[0] in (1, b)
+        and cos.shape[1:] == (t, d)
+        and cos.stride(2) == 1
+        and d % 2 == 0
+    )
+
+
 def _rotary_fits(q: Any, k: Any, cos: Any, sin: Any) -> bool:
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) or not _fits(q, k, cos, sin):
         return False
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride():
+    if q.dim() != 4 or k.dim() != 4:
         return False
     b, t, d = q.shape[0], q.shape[2], q.shape[3]
     return (
-        d % 2 == 0
-        and k.shape[0] == b
+        k.shape[0] == b
         and k.shape[2:] == (t, d)
-        and cos.shape[0] in (1, b)
-        and cos.shape[1:] == (t, d)
         and q.stride(3) == 1
         and k.stride(3) == 1
-        and cos.stride(2) == 1
+        and cos_sin_fit(cos, sin, b, t, d, q.dtype)
     )
 
 
